@@ -1,0 +1,110 @@
+"""The backend protocol: what the engine needs from an inference engine.
+
+It mirrors vLLM's ``LLMEngine`` so that the vLLM backend is a thin adapter
+and the engine's sampler loop is the same for every backend:
+
+* ``add_request`` / ``abort_request`` / ``step`` / ``has_unfinished_requests``:
+  continuous batching lives *inside* the backend; a request joins at the
+  next step and leaves the step it finishes.
+* ``load_weights(named_tensors, version)``: in-process weight install.
+* ``sleep`` / ``wake_up``: free accelerator memory around training work;
+  only where ``capabilities.sleep`` says so.
+
+Every method is called from the engine's single compute thread, never
+concurrently, so a backend needs no locking of its own. A backend must not
+touch engine state, futures or the event loop: it only turns requests into
+per-step outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from rlengine.types import SamplingParams
+
+__all__ = ["Backend", "BackendRequest", "Capabilities", "RequestOutput"]
+
+
+class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
+    """What a backend can do; the engine never fakes a missing capability."""
+
+    sleep: bool = False
+    """``sleep``/``wake_up`` really release and restore memory."""
+    prompt_logprobs: bool = True
+    stop_strings: bool = True
+    weight_install: bool = True
+    why_not_sleep: str = ""
+    """When ``sleep`` is False, why (shown by ``rlengine info``)."""
+
+
+class BackendRequest(msgspec.Struct, kw_only=True, gc=False):
+    """One sequence to generate. The engine fans ``num_samples`` out into
+    separate requests, each with its own concrete seed."""
+
+    request_id: str
+    prompt: bytes
+    """Token ids, raw int32 bytes."""
+    params: SamplingParams
+    seed: int
+    """Concrete per-sequence seed (the engine derives it; never None here)."""
+    max_tokens: int
+    """Tokens still to generate (``params.max_tokens`` minus what a paused
+    request already generated, capped by the context length)."""
+    prompt_logprobs: bool = False
+
+
+class RequestOutput:
+    """What one ``step`` produced for one request: the *new* tokens only."""
+
+    __slots__ = ("request_id", "token_ids", "logprobs", "finished", "stop_reason",
+                 "prompt_logprobs", "error")
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        finished: bool = False,
+        stop_reason: str | None = None,
+        prompt_logprobs: list[float] | None = None,
+        error: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.finished = finished
+        self.stop_reason = stop_reason
+        """``"length"`` or ``"stop"`` once finished."""
+        self.prompt_logprobs = prompt_logprobs
+        """Logprob of each prompt token after the first; on the first output only."""
+        self.error = error
+        """Set when the backend failed this request mid-generation (it is then finished)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Inference backend, shaped like vLLM's ``LLMEngine``."""
+
+    name: str
+    capabilities: Capabilities
+    vocab_size: int
+    max_model_len: int
+
+    def add_request(self, request: BackendRequest) -> None: ...
+
+    def abort_request(self, request_ids: Iterable[str]) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None: ...
+
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,191 @@
+"""The sim backend: a deterministic stand-in for an inference engine.
+
+It implements the whole backend protocol with a model small enough to reason
+about: one weight tensor ``theta`` of unigram logits. Token ``i`` of a
+sequence is a hash of (seed, i), or ``argmax(theta)`` at temperature 0; its
+logprob is ``log_softmax(theta)[token]`` under the weights loaded at that
+step, so a weight install visibly changes logprobs and every token's version
+can be checked. Generation length is fixed or drawn (seeded) per request;
+each step can cost simulated time. Tokens decode to one letter each
+(``a`` + id mod 26) so stop strings work.
+
+It also polices the engine: ``step`` while asleep, or ``sleep`` with
+requests unfinished, raises - a colocation bug would show up as engine
+death in tests. ``events`` records sleeps, wakes, installs and steps.
+
+It is the backend for control-plane tests and benchmarks, not a model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.config import SimConfig
+
+__all__ = ["SimBackend", "decode_sim_token"]
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix(seed: int, pos: int) -> int:
+    z = (seed + (pos + 1) * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def decode_sim_token(token: int) -> str:
+    return chr(97 + token % 26)
+
+
+def _log_softmax(theta: np.ndarray) -> np.ndarray:
+    t = theta.astype(np.float64)
+    m = t.max()
+    return (t - m - math.log(np.exp(t - m).sum())).astype(np.float32)
+
+
+class _SimSeq:
+    __slots__ = ("rid", "seed", "pos", "end", "limit", "greedy", "stop_ids", "stop_strings", "text",
+                 "prompt", "want_prompt_lp")
+
+    def __init__(self, req: BackendRequest, gen_len: int) -> None:
+        self.rid = req.request_id
+        self.seed = req.seed
+        self.pos = 0
+        self.limit = req.max_tokens
+        self.end = min(gen_len, req.max_tokens)
+        self.greedy = req.params.temperature == 0.0
+        self.stop_ids = frozenset(req.params.stop_token_ids)
+        self.stop_strings = req.params.stop_strings
+        self.text = ""
+        self.prompt = req.prompt
+        self.want_prompt_lp = req.prompt_logprobs
+
+
+class SimBackend:
+    """Deterministic simulated backend; see the module docstring."""
+
+    name = "sim"
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = cfg = config or SimConfig()
+        self.capabilities = Capabilities(
+            sleep=cfg.sleep_supported, prompt_logprobs=True, stop_strings=True, weight_install=True,
+            why_not_sleep="" if cfg.sleep_supported else "disabled by SimConfig.sleep_supported=False")
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = cfg.max_model_len
+        self.version = 0
+        self._set_theta(cfg.initial_weights())
+        self._waiting: dict[str, _SimSeq] = {}
+        self._running: dict[str, _SimSeq] = {}
+        self.asleep = False
+        self.steps = 0
+        self.events: deque[tuple[Any, ...]] = deque(maxlen=100_000)
+
+    def _set_theta(self, theta: np.ndarray | None) -> None:
+        self._theta = theta
+        if theta is not None:
+            logp = _log_softmax(theta)
+            self._logp = logp.tolist()
+            self._argmax = int(np.argmax(theta))
+
+    def _gen_len(self, seed: int) -> int:
+        cfg = self.config
+        if cfg.gen_len_dist == "fixed":
+            return cfg.gen_len
+        draw = random.Random(seed ^ 0x5EED).lognormvariate(math.log(cfg.gen_len), cfg.gen_len_sigma)
+        return max(1, round(draw))
+
+    # -- the protocol ---------------------------------------------------------
+
+    def add_request(self, request: BackendRequest) -> None:
+        rid = request.request_id
+        if rid in self._running or rid in self._waiting:
+            raise ValueError(f"request_id={rid!r}: already in the sim backend")
+        self._waiting[rid] = _SimSeq(request, self._gen_len(request.seed))
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._running.pop(rid, None)
+            self._waiting.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def step(self) -> list[RequestOutput]:
+        if self.asleep:
+            raise RuntimeError("sim backend: step() while asleep (the engine must wake it first)")
+        if self._theta is None:
+            raise RuntimeError("sim backend: step() with no weights loaded")
+        running, cap = self._running, self.config.max_num_seqs
+        waiting = self._waiting
+        while waiting and len(running) < cap:
+            seq = waiting.pop(next(iter(waiting)))
+            running[seq.rid] = seq
+        cfg = self.config
+        cost = cfg.step_time_s + cfg.token_time_s * len(running)
+        if cost > 0:
+            time.sleep(cost)
+        self.steps += 1
+        logp, argmax, vocab = self._logp, self._argmax, self.vocab_size
+        outs = []
+        done = []
+        for seq in running.values():
+            tok = argmax if seq.greedy else _mix(seq.seed, seq.pos) % vocab
+            seq.pos += 1
+            out = RequestOutput(seq.rid, [tok], [logp[tok]])
+            if seq.want_prompt_lp:
+                seq.want_prompt_lp = False
+                prompt = np.frombuffer(seq.prompt, dtype=np.int32)[1:]
+                out.prompt_logprobs = [logp[t] for t in prompt.tolist()]
+            stop = tok in seq.stop_ids
+            if not stop and seq.stop_strings:
+                seq.text += decode_sim_token(tok)
+                stop = any(s in seq.text[-len(s) - 1:] for s in seq.stop_strings)
+            if stop or seq.pos >= seq.end:
+                out.finished = True
+                out.stop_reason = "stop" if stop or seq.pos < seq.limit else "length"
+                done.append(seq.rid)
+            outs.append(out)
+        for rid in done:
+            del running[rid]
+        self.events.append(("step", len(outs)))
+        return outs
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        tensors = dict(named_tensors)
+        if set(tensors) != {"theta"}:
+            raise ValueError(f"sim backend: load_weights got tensors {sorted(tensors)}, expected ['theta']")
+        theta = np.asarray(tensors["theta"], dtype=np.float32)
+        if theta.shape != (self.vocab_size,):
+            raise ValueError(f"sim backend: theta shape {theta.shape}, expected ({self.vocab_size},)")
+        self._set_theta(theta.copy())
+        self.version = version
+        self.events.append(("load_weights", version))
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.capabilities.sleep:
+            raise RuntimeError("sim backend: sleep is disabled by configuration")
+        if self.has_unfinished_requests():
+            raise RuntimeError("sim backend: sleep() with unfinished requests (the engine must drain first)")
+        self.asleep = True
+        if level >= 2:
+            self._set_theta(None)
+        self.events.append(("sleep", level))
+
+    def wake_up(self) -> None:
+        self.asleep = False
+        self.events.append(("wake_up",))
+
+    def close(self) -> None:
+        self._running.clear()
+        self._waiting.clear()
+        self.events.append(("close",))

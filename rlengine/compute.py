@@ -1,0 +1,75 @@
+"""The compute thread: the one thread that runs backend steps and training work.
+
+The loop thread is the control plane; this thread is the data plane. Every
+backend call and every piece of blocking work (forward_backward, weight
+install, ...) runs here, one job at a time, so GPU work is serialized by
+construction (what colocation needs) while the loop stays free for IPC,
+HTTP and new submissions. Results go back to the loop with
+``call_soon_threadsafe``; the thread never touches engine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ComputeThread"]
+
+
+def _deliver(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.cancelled():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+class ComputeThread:
+    """A single worker thread fed by a queue; jobs resolve asyncio futures."""
+
+    def __init__(self, name: str = "rlengine-compute", init: Callable[[], None] | None = None) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._init = init
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run ``fn(*args)`` on the compute thread; await the returned future on ``loop``."""
+        fut = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        if self._init is not None:
+            self._init()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            loop, fut, fn, args = job
+            try:
+                value, ok = fn(*args), True
+            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting side
+                value, ok = exc, False
+            try:
+                loop.call_soon_threadsafe(_deliver, fut, ok, value)
+            except RuntimeError:
+                # The loop is closed: nobody is waiting for this result any more.
+                pass
+
+    def stop(self, timeout: float) -> bool:
+        """Finish queued jobs and stop; False if the thread is still busy after ``timeout``."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -1,0 +1,98 @@
+"""The exception hierarchy of rlengine.
+
+One root, ``RLEngineError``. Every subclass also inherits the stdlib type a
+caller would naturally catch (``InvalidRequest`` is a ``ValueError``,
+``RequestTimeout`` a ``TimeoutError``), so generic handlers keep working.
+
+The distinction that matters to callers is recoverable vs fatal:
+
+* ``RequestError`` and its subclasses concern one request. The engine keeps
+  serving everybody else; retrying or fixing the input is meaningful.
+* ``EngineDeadError`` means the engine itself is gone (a backend crash, a dead
+  compute thread, a closed engine). Every pending and every new future fails
+  with it at once; nothing waits for an engine that will never answer.
+
+Messages name the offending field and value. This module imports nothing but
+the standard library so that sandboxes and the wire protocol can share it.
+"""
+
+from __future__ import annotations
+
+
+class RLEngineError(Exception):
+    """Root of every error rlengine raises on purpose."""
+
+
+class ConfigurationError(RLEngineError, ValueError):
+    """An ``EngineConfig`` (or another configuration) holds an unusable value."""
+
+
+class RequestError(RLEngineError):
+    """Recoverable: one request failed; the engine keeps serving the others."""
+
+
+class InvalidRequest(RequestError, ValueError):
+    """A request carries an invalid value; it was rejected before queueing.
+
+    ``field`` and ``value`` name what was wrong, for programmatic handling.
+    """
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field = field
+        self.value = value
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"{field}={shown}: {reason}")
+
+
+class ModelNotLoaded(RequestError, LookupError):
+    """The sampler version or model a request addresses is not loaded.
+
+    Raised at admission for stale requests; it never triggers a bring-up.
+    """
+
+
+class RequestAborted(RequestError):
+    """Blocking work that was cancelled (by the caller or by shutdown) before it ran."""
+
+
+class RequestTimeout(RequestError, TimeoutError):
+    """A bounded wait ran out (``result(timeout)``, a drain deadline)."""
+
+
+class BackendRequestError(RequestError, RuntimeError):
+    """The backend failed one request mid-generation; its outcome is unknown.
+
+    The request's gate lease stays poisoned until it is settled or written off.
+    """
+
+
+class GateError(RLEngineError, RuntimeError):
+    """The request gate refused an operation in its current state."""
+
+
+class GatePoisoned(GateError):
+    """A weight install was refused: leases with unknown outcomes exist.
+
+    ``leases`` lists them (lease id, session id, reason). Settle or write
+    each off (``RequestGate.write_off``) before installing a new version.
+    """
+
+    def __init__(self, leases: list[tuple[int, str | None, str]]) -> None:
+        self.leases = leases
+        shown = ", ".join(f"lease {i} (session={s!r}: {r})" for i, s, r in leases[:8])
+        more = f" and {len(leases) - 8} more" if len(leases) > 8 else ""
+        super().__init__(f"gate poisoned by {len(leases)} unsettled lease(s): {shown}{more}")
+
+
+class DrainTimeout(GateError, TimeoutError):
+    """In-flight leases did not finish before the drain deadline."""
+
+
+class EngineDeadError(RLEngineError, RuntimeError):
+    """Fatal: the engine stopped (crash or close). Every future fails fast with it."""
+
+
+class EngineClosed(EngineDeadError):
+    """The engine was closed on purpose; work submitted afterwards is refused."""

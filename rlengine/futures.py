@@ -1,0 +1,170 @@
+"""Per-request futures: the one thing a caller holds for each request.
+
+A ``RequestFuture`` is settled exactly once, on the engine's loop thread:
+with a result (a msgspec Struct) or an exception. Callers wait on it from
+any thread (``result(timeout)``), from any asyncio loop (``await``), or
+attach done-callbacks. It is lighter than ``concurrent.futures.Future``
+(no lock or condition per request; a thread waiter is created only when a
+thread actually blocks), which matters at thousands of requests in flight:
+a future with a callback measured about 7 us against 26 us for a task.
+
+It must not run engine logic: settling only stores the outcome and notifies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from rlengine.errors import RequestTimeout
+
+T = TypeVar("T")
+
+_PENDING, _DONE, _FAILED = 0, 1, 2
+# One lock for every future: it guards only the few-instruction hand-over
+# between the settling loop thread and a thread that waits or adds a
+# callback, so it is never held long and a lock per future would be waste.
+_lock = threading.Lock()
+_encoder = msgspec.msgpack.Encoder()
+
+
+class RequestFuture(Generic[T]):
+    """The outcome of one request, settled exactly once by the engine."""
+
+    __slots__ = ("request_id", "_state", "_value", "_callbacks", "_waiter", "_encoded", "_abort")
+
+    def __init__(self, request_id: str, abort: Callable[[str], None] | None = None) -> None:
+        self.request_id = request_id
+        self._state = _PENDING
+        self._value: Any = None
+        self._callbacks: list[Callable[[RequestFuture[T]], None]] | None = None
+        self._waiter: threading.Event | None = None
+        self._encoded: bytes | None = None
+        self._abort = abort
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<RequestFuture {self.request_id} {state}>"
+
+    # -- settlement (engine side, loop thread) --------------------------------
+
+    def _settle(self, state: int, value: Any) -> bool:
+        with _lock:
+            if self._state != _PENDING:
+                return False
+            self._value = value
+            self._state = state
+            w, cbs, self._callbacks = self._waiter, self._callbacks, None
+        if w is not None:
+            w.set()
+        if cbs:
+            for cb in cbs:
+                cb(self)
+        return True
+
+    def set_result(self, value: T) -> bool:
+        """Settle with a result; False if it was already settled."""
+        return self._settle(_DONE, value)
+
+    def set_exception(self, exc: BaseException) -> bool:
+        """Settle with an exception; False if it was already settled."""
+        return self._settle(_FAILED, exc)
+
+    # -- inspection -----------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._value if self._state == _FAILED else None
+
+    def result(self, timeout: float | None = None) -> T:
+        """Block the calling thread until settled, at most ``timeout`` seconds.
+
+        Never call this on the engine's own loop thread without a settled
+        future (it would wait for itself): use ``await`` there.
+        """
+        self._wait(timeout)
+        if self._state == _FAILED:
+            raise self._value
+        return self._value
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._state != _PENDING:
+            return
+        with _lock:
+            if self._state != _PENDING:
+                return
+            w = self._waiter
+            if w is None:
+                w = self._waiter = threading.Event()
+        if not w.wait(timeout):
+            raise RequestTimeout(f"request {self.request_id} not settled within {timeout} s")
+
+    def add_done_callback(self, fn: Callable[[RequestFuture[T]], None]) -> None:
+        """Call ``fn(self)`` once settled: at once if already settled, otherwise
+        on the engine's loop thread at settlement (keep it short; never block)."""
+        with _lock:
+            if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def encoded(self) -> bytes:
+        """The msgpack encoding of the result, produced once and cached (for IPC)."""
+        if self._encoded is None:
+            self._encoded = _encoder.encode(self.result(0))
+        return self._encoded
+
+    def abort(self) -> None:
+        """Ask the engine to abort the request; the future then settles as aborted."""
+        if self._abort is not None and self._state == _PENDING:
+            self._abort(self.request_id)
+
+    # -- asyncio ---------------------------------------------------------------
+
+    async def result_async(self, timeout: float | None = None) -> T:
+        """Await the result (Tinker's ``APIFuture.result_async``), at most ``timeout`` seconds."""
+        if timeout is None:
+            return await self
+        try:
+            return await asyncio.wait_for(_awaitable(self), timeout)
+        except TimeoutError:
+            raise RequestTimeout(f"request {self.request_id} not settled within {timeout} s") from None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._state == _PENDING:
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self.add_done_callback(lambda _f: _wake(loop, fut))
+            yield from fut.__await__()
+        return self.result(0)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Resolve an asyncio future from whichever thread settles the request."""
+
+    def _set() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        _set()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(_set)
+
+
+async def _awaitable(fut: RequestFuture[T]) -> T:
+    return await fut

@@ -1,0 +1,5 @@
+"""Trainers: loss functions with Tinker semantics and the trainers behind ``TrainingClient``.
+
+``losses`` validates batches and defines each loss elementwise; ``sim`` is the
+numpy trainer of the sim model. Trainers run on the engine's compute thread only.
+"""

@@ -1,0 +1,135 @@
+"""Loss functions with Tinker semantics: validation and the numpy definition.
+
+Every loss is a sum over target tokens of a function of the per-token
+logprob ``logp`` of the target under the current weights:
+
+* ``cross_entropy``:       ``-weights * logp``
+* ``importance_sampling``: ``-ratio * advantages``, ``ratio = exp(logp - logprobs)``
+* ``ppo``:                 ``-min(ratio * A, clip(ratio, lo, hi) * A)``; defaults lo 0.8, hi 1.2
+* ``cispo``:               ``-stopgrad(clip(ratio, lo, hi)) * A * logp``; defaults lo 0.0, hi 4.0
+
+``logprobs`` are the sampler's logprobs of the same tokens. Because each
+loss is elementwise in ``logp``, ``elementwise`` returns both the loss and
+its derivative with respect to ``logp``; a trainer chains that through its
+model (the sim trainer does so by hand, and it is the reference the torch
+trainer is tested against).
+
+``validate_data`` runs on the loop thread before anything is queued and
+raises ``InvalidRequest`` naming the datum and field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from rlengine.errors import InvalidRequest
+from rlengine.types import LOSS_FNS, Datum
+
+__all__ = ["REQUIRED_INPUTS", "clip_thresholds", "elementwise", "validate_data"]
+
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens",),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+}
+_OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
+_DEFAULT_CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+
+
+def clip_thresholds(loss_fn: str, config: dict[str, Any] | None) -> tuple[float, float]:
+    """``(clip_low_threshold, clip_high_threshold)`` from ``loss_fn_config`` or the defaults."""
+    lo, hi = _DEFAULT_CLIP.get(loss_fn, (0.0, math.inf))
+    config = config or {}
+    for key in config:
+        if key not in ("clip_low_threshold", "clip_high_threshold"):
+            raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key],
+                                 "unknown key (known: clip_low_threshold, clip_high_threshold)")
+    if config and loss_fn not in _DEFAULT_CLIP:
+        raise InvalidRequest("loss_fn_config", config, f"loss_fn={loss_fn!r} takes no config")
+    lo = config.get("clip_low_threshold", lo)
+    hi = config.get("clip_high_threshold", hi)
+    for name, v in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            raise InvalidRequest(f"loss_fn_config[{name!r}]", v, "must be a number >= 0")
+    if lo > hi:
+        raise InvalidRequest("loss_fn_config", config, f"clip_low_threshold {lo} > clip_high_threshold {hi}")
+    return float(lo), float(hi)
+
+
+def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+                  vocab_size: int, max_len: int) -> tuple[float, float]:
+    """Check a batch before it is queued; returns the clip thresholds."""
+    if loss_fn not in LOSS_FNS:
+        raise InvalidRequest("loss_fn", loss_fn, f"must be one of {', '.join(LOSS_FNS)}")
+    thresholds = clip_thresholds(loss_fn, loss_fn_config)
+    if not isinstance(data, (list, tuple)) or not data:
+        raise InvalidRequest("data", data if not isinstance(data, (list, tuple)) else "[]",
+                             "must be a non-empty list of Datum")
+    required = REQUIRED_INPUTS[loss_fn]
+    allowed = set(required) | set(_OPTIONAL_INPUTS.get(loss_fn, ()))
+    for i, datum in enumerate(data):
+        if not isinstance(datum, Datum):
+            raise InvalidRequest(f"data[{i}]", type(datum).__name__, "must be a Datum")
+        n = datum.model_input.length
+        if n == 0:
+            raise InvalidRequest(f"data[{i}].model_input", "empty", "must hold at least one token")
+        if n > max_len:
+            raise InvalidRequest(f"data[{i}].model_input.length", n, f"exceeds the model's context {max_len}")
+        tokens = datum.model_input.to_numpy()
+        if int(tokens.max()) >= vocab_size:
+            raise InvalidRequest(f"data[{i}].model_input", int(tokens.max()), f"token id >= vocab size {vocab_size}")
+        inputs = datum.loss_fn_inputs
+        for key in required:
+            if key not in inputs:
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs", sorted(inputs),
+                                     f"loss_fn={loss_fn!r} needs {key!r}")
+        for key, td in inputs.items():
+            if key not in allowed:
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]", key,
+                                     f"not an input of loss_fn={loss_fn!r} (takes {', '.join(sorted(allowed))})")
+            if td.shape != [n]:
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}].shape", td.shape,
+                                     f"must be [{n}], one value per model_input token")
+        targets = inputs["target_tokens"]
+        if targets.dtype != "int64":
+            raise InvalidRequest(f"data[{i}].loss_fn_inputs['target_tokens'].dtype", targets.dtype, "must be int64")
+        t = targets.to_numpy()
+        if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+            bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+            raise InvalidRequest(f"data[{i}].loss_fn_inputs['target_tokens']", bad,
+                                 f"token ids must be in [0, {vocab_size})")
+        for key in inputs:
+            if key != "target_tokens" and not np.isfinite(inputs[key].to_numpy()).all():
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]", "non-finite", "must be finite")
+    return thresholds
+
+
+def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
+                thresholds: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token loss and its derivative with respect to ``logp`` (float64)."""
+    logp = logp.astype(np.float64)
+    if loss_fn == "cross_entropy":
+        w = inputs.get("weights")
+        w = np.ones_like(logp) if w is None else w.astype(np.float64)
+        return -w * logp, -w
+    adv = inputs["advantages"].astype(np.float64)
+    ratio = np.exp(logp - inputs["logprobs"].astype(np.float64))
+    if loss_fn == "importance_sampling":
+        return -ratio * adv, -ratio * adv
+    lo, hi = thresholds
+    clipped = np.clip(ratio, lo, hi)
+    if loss_fn == "ppo":
+        unclipped_obj, clipped_obj = ratio * adv, clipped * adv
+        loss = -np.minimum(unclipped_obj, clipped_obj)
+        # The gradient flows through whichever branch the min takes; the
+        # clipped branch is constant outside [lo, hi].
+        inside = (ratio >= lo) & (ratio <= hi)
+        takes_unclipped = (unclipped_obj <= clipped_obj) | inside
+        return loss, np.where(takes_unclipped, -ratio * adv, 0.0)
+    if loss_fn == "cispo":
+        return -clipped * adv * logp, -clipped * adv
+    raise InvalidRequest("loss_fn", loss_fn, f"must be one of {', '.join(LOSS_FNS)}")
