@@ -93,6 +93,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     continuous_sampling: bool | None = None
     seed: int = 0
     close_timeout_s: float = 30.0
+    max_num_seqs: int = 256
+    """Most sequences a model backend runs in one batch."""
+    max_model_len: int | None = None
+    """Context length; None takes the model's own."""
+    dtype: str = "float32"
+    cache_dir: str | None = None
+    """Where ``model="tiny"`` is built once; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
+    engine_args: dict[str, object] = msgspec.field(default_factory=dict)
+    """Passed through to the model backend (e.g. vLLM's ``tensor_parallel_size``)."""
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
@@ -102,6 +111,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError(f"drain_policy={self.drain_policy!r}: must be 'wait' or 'pause'")
         _positive("drain_timeout_s", self.drain_timeout_s)
         _positive("close_timeout_s", self.close_timeout_s)
+        _positive("max_num_seqs", self.max_num_seqs, integer=True)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len, integer=True)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigurationError(f"dtype={self.dtype!r}: must be float32, bfloat16 or float16")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigurationError(f"seed={self.seed!r}: must be an integer")
         if not isinstance(self.model, str) or not self.model:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rlengine.backends import Backend, resolve_backend
+from rlengine.backends import SPECS, Backend, load, resolve_backend
 from rlengine.compute import ComputeThread
 from rlengine.config import EngineConfig
 from rlengine.errors import EngineClosed, EngineDeadError, InvalidRequest, RLEngineError
@@ -75,6 +75,10 @@ class Engine:
         self._next_version = 1
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self._spec_name = "sim"
+        self.model_path: str | None = None
+        """The resolved local model directory (None for the sim backend): load it
+        with transformers to get the very same model."""
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -160,24 +164,19 @@ class Engine:
         self._drain_inbox()
 
     def _build_backend(self) -> Backend:
+        """Compute thread: resolve the backend, prepare the model, build the backend."""
+        self._spec_name = resolve_backend(self.config)
+        spec = SPECS[self._spec_name]
+        if spec.prepare is not None:
+            self.model_path = load(spec.prepare)(self.config)
         if self._given_backend is not None:
             return self._given_backend
-        name = resolve_backend(self.config)
-        if name == "sim":
-            from rlengine.backends.sim import SimBackend
-
-            return SimBackend(self.config.sim)
-        raise EngineDeadError(f"backend {name!r} is registered but cannot be built")  # pragma: no cover
+        return load(spec.backend)(self.config, self.model_path)
 
     def _build_trainer(self) -> Any:
         """Compute thread: the trainer is created on first training use."""
         if self._trainer is None:
-            backend = self.backend
-            if backend.name != "sim":  # pragma: no cover - model trainers arrive with their backends
-                raise EngineDeadError(f"no trainer is available for backend {backend.name!r}")
-            from rlengine.trainer.sim import SimTrainer
-
-            self._trainer = SimTrainer(self.config.sim)
+            self._trainer = load(SPECS[self._spec_name].trainer)(self.config, self.model_path)
         return self._trainer
 
     def close(self, timeout: float | None = None) -> None:

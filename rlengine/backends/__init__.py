@@ -1,31 +1,65 @@
 """Backends: the protocol, the registry, and the choice behind ``backend="auto"``.
 
+Each backend is registered by a ``BackendSpec`` naming, as ``"module:function"``
+strings so nothing heavy is imported until used:
+
+* ``prepare(config) -> model_path | None`` - resolve or build the model
+  directory (runs once, on the compute thread);
+* ``backend(config, model_path) -> Backend``;
+* ``trainer(config, model_path) -> trainer`` - built on first training use.
+
 ``available()`` says, for every backend, whether it can run here and why not;
-``rlengine info`` prints it. Model backends are imported lazily so that the
-control plane (and the sim backend) never imports torch or vLLM.
+``rlengine info`` prints it. The control plane (and the sim backend) never
+imports torch or vLLM.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from rlengine.backends.base import Backend, BackendRequest, Capabilities, RequestOutput
 from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 
-__all__ = ["Backend", "BackendRequest", "Capabilities", "RequestOutput", "available", "resolve_backend"]
+__all__ = ["Backend", "BackendRequest", "BackendSpec", "Capabilities", "RequestOutput", "SPECS", "available",
+           "load", "resolve_backend"]
 
-# Model backends in order of preference for backend="auto". Each entry names
-# the modules it needs; one is offered only once it exists in this package.
-_MODEL_BACKENDS: dict[str, tuple[str, ...]] = {}
+
+class BackendSpec(NamedTuple):
+    modules: tuple[str, ...]
+    """Top-level modules that must be importable for this backend."""
+    prepare: str | None
+    backend: str
+    trainer: str
+
+
+SPECS: dict[str, BackendSpec] = {
+    "sim": BackendSpec((), None, "rlengine.backends.sim:build", "rlengine.trainer.sim:build"),
+}
+# backend="auto" takes the first usable of these, in this order.
+AUTO_ORDER: tuple[str, ...] = ("vllm", "torch")
+
+
+def load(ref: str) -> Callable[..., Any]:
+    """Import ``"module:function"``."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def available() -> dict[str, tuple[bool, str]]:
     """``{name: (usable, reason)}`` for every backend rlengine knows."""
-    out = {"sim": (True, "built in (deterministic simulator, no model)")}
-    for name, modules in _MODEL_BACKENDS.items():
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        out[name] = (not missing, f"missing: {', '.join(missing)}" if missing else "importable")
+    out = {}
+    for name, spec in SPECS.items():
+        missing = [m for m in spec.modules if importlib.util.find_spec(m) is None]
+        if name == "sim":
+            out[name] = (True, "built in (deterministic simulator, no model)")
+        else:
+            out[name] = (not missing, f"missing: {', '.join(missing)}" if missing else "importable")
+    for name in AUTO_ORDER:
+        out.setdefault(name, (False, "not built into this version of rlengine"))
     return out
 
 
@@ -37,9 +71,9 @@ def resolve_backend(config: EngineConfig) -> str:
         if not usable:
             raise ConfigurationError(f"backend={config.backend!r} is not available: {why}")
         return config.backend
-    for name in _MODEL_BACKENDS:
+    for name in AUTO_ORDER:
         if avail[name][0]:
             return name
     raise ConfigurationError(
-        "backend='auto': no model backend is available in this version of rlengine "
-        "(the torch and vLLM backends are not built yet); use backend='sim'")
+        "backend='auto': no model backend is available here ("
+        + "; ".join(f"{n}: {avail[n][1]}" for n in AUTO_ORDER) + "); use backend='sim'")

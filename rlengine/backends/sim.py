@@ -189,3 +189,8 @@ class SimBackend:
         self._running.clear()
         self._waiting.clear()
         self.events.append(("close",))
+
+
+def build(config: Any, model_path: str | None = None) -> SimBackend:
+    """Registry entry point (``rlengine.backends.SPECS``)."""
+    return SimBackend(config.sim)

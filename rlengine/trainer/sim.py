@@ -122,3 +122,8 @@ class SimTrainer:
             self.grad = tensors["grad"].copy()
             self.step_count = int(tensors["step"][0])
         return path
+
+
+def build(config: Any, model_path: str | None = None) -> SimTrainer:
+    """Registry entry point (``rlengine.backends.SPECS``)."""
+    return SimTrainer(config.sim)
