@@ -60,14 +60,33 @@ class SamplingClient:
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
                                  session_id=session_id)
 
-    def compute_logprobs(self, prompt: ModelInput | Any) -> RequestFuture[SampleResponse]:
-        """Logprobs of the prompt's tokens (``prompt_logprobs`` of the response)."""
-        return self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+    def compute_logprobs(self, prompt: ModelInput | Any) -> RequestFuture[list[float | None]]:
+        """Logprob of each prompt token under the sampler's weights (the first is None)."""
+        inner = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+        outer: RequestFuture[list[float | None]] = RequestFuture(inner.request_id, self.engine.abort)
+
+        def relay(f: RequestFuture[SampleResponse]) -> None:
+            exc = f.exception(0)
+            if exc is not None:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(f.result(0).prompt_logprobs or [None])
+
+        inner.add_done_callback(relay)
+        return outer
 
     async def compute_logprobs_async(self, prompt: ModelInput | Any) -> list[float | None]:
-        response = await self.compute_logprobs(prompt)
-        assert response.prompt_logprobs is not None
-        return response.prompt_logprobs
+        return await self.compute_logprobs(prompt)
+
+    def render_chat_completion(self, messages: list[dict[str, Any]],
+                               add_generation_prompt: bool = True) -> ModelInput:
+        """The prompt tokens of ``messages`` under the model's chat template, without generating."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("messages", "chat", f"backend {self.engine.backend.name} has no tokenizer")
+        from rlengine.models import render_chat
+
+        return ModelInput.from_ints(render_chat(tokenizer, messages, add_generation_prompt))
 
 
 class TrainingClient:

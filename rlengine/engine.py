@@ -77,6 +77,7 @@ class Engine:
         self._start_error: BaseException | None = None
         self._spec_name = "sim"
         self.model_path: str | None = None
+        self._tokenizer: Any = None
         """The resolved local model directory (None for the sim backend): load it
         with transformers to get the very same model."""
 
@@ -325,6 +326,17 @@ class Engine:
         if self._sampler is not None and self._sampler.dead is not None and self._state != "closed":
             return "dead"
         return self._state
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (loaded once, offline); None for the sim backend."""
+        if self.model_path is None:
+            return None
+        if self._tokenizer is None:
+            from rlengine.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
 
     @property
     def model_name(self) -> str:
