@@ -63,17 +63,7 @@ class SamplingClient:
     def compute_logprobs(self, prompt: ModelInput | Any) -> RequestFuture[list[float | None]]:
         """Logprob of each prompt token under the sampler's weights (the first is None)."""
         inner = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
-        outer: RequestFuture[list[float | None]] = RequestFuture(inner.request_id, self.engine.abort)
-
-        def relay(f: RequestFuture[SampleResponse]) -> None:
-            exc = f.exception(0)
-            if exc is not None:
-                outer.set_exception(exc)
-            else:
-                outer.set_result(f.result(0).prompt_logprobs or [None])
-
-        inner.add_done_callback(relay)
-        return outer
+        return inner.then(lambda response: response.prompt_logprobs or [None])
 
     async def compute_logprobs_async(self, prompt: ModelInput | Any) -> list[float | None]:
         return await self.compute_logprobs(prompt)
@@ -130,17 +120,7 @@ class TrainingClient:
     def save_weights_for_sampler(self, name: str | None = None) -> RequestFuture[SaveWeightsForSamplerResponse]:
         """Install the trainer's weights into the sampler in-process as version + 1."""
         inner = self.engine.install_weights(lambda: self._trainer().sampler_weights())
-        outer: RequestFuture[SaveWeightsForSamplerResponse] = RequestFuture(inner.request_id, self.engine.abort)
-
-        def relay(f: RequestFuture[int]) -> None:
-            exc = f.exception(0)
-            if exc is not None:
-                outer.set_exception(exc)
-            else:
-                outer.set_result(SaveWeightsForSamplerResponse(version=f.result(0), path=name))
-
-        inner.add_done_callback(relay)
-        return outer
+        return inner.then(lambda version: SaveWeightsForSamplerResponse(version=version, path=name))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None,
                                              timeout: float | None = None) -> SamplingClient:

@@ -124,6 +124,28 @@ class RequestFuture(Generic[T]):
             self._encoded = _encoder.encode(self.result(0))
         return self._encoded
 
+    def then(self, fn: Callable[[T], Any]) -> RequestFuture[Any]:
+        """A future settled with ``fn(result)`` (or this future's exception).
+
+        ``fn`` runs where this future settles (the loop thread); an exception
+        it raises fails the returned future.
+        """
+        out: RequestFuture[Any] = RequestFuture(self.request_id, self._abort)
+
+        def relay(f: RequestFuture[T]) -> None:
+            if f._state == _FAILED:
+                out.set_exception(f._value)
+                return
+            try:
+                value = fn(f._value)
+            except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+                out.set_exception(exc)
+            else:
+                out.set_result(value)
+
+        self.add_done_callback(relay)
+        return out
+
     def abort(self) -> None:
         """Ask the engine to abort the request; the future then settles as aborted."""
         if self._abort is not None and self._state == _PENDING:
