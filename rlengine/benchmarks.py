@@ -38,7 +38,7 @@ def _direct_sim(cfg: SimConfig, prompts: list[bytes], params: SamplingParams) ->
         rid = f"d{i}"
         acc[rid] = (array("i"), array("f"))
         backend.add_request(BackendRequest(request_id=rid, prompt=p, params=params, seed=i,
-                                           max_tokens=params.max_tokens or 1))
+                                           max_tokens=params.max_tokens or 1, stream=False))
     while backend.has_unfinished_requests():
         for out in backend.step():
             toks, lps = acc[out.request_id]

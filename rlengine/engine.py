@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rlengine.backends import SPECS, Backend, load, resolve_backend
 from rlengine.compute import ComputeThread
 from rlengine.config import EngineConfig
@@ -71,6 +73,7 @@ class Engine:
         self._inbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._wake_pending = False
         self._ids = itertools.count(1)
+        self._abort_cb = self.abort
         self._state = "new"
         self._next_version = 1
         self._ready = threading.Event()
@@ -356,7 +359,8 @@ class Engine:
         backend = self.backend
         if n >= backend.max_model_len:
             raise InvalidRequest("prompt.length", n, f"must be < the model's context length {backend.max_model_len}")
-        top = int(ModelInput(tokens_raw=raw).to_numpy().max())
+        # Short prompts: max() over a memoryview beats numpy's call overhead.
+        top = max(memoryview(raw).cast("i")) if n < 256 else int(np.frombuffer(raw, dtype=np.int32).max())
         if top >= backend.vocab_size:
             raise InvalidRequest("prompt", top, f"token id >= vocab size {backend.vocab_size}")
         return raw
@@ -376,7 +380,7 @@ class Engine:
         if params.stop_strings and not self.backend.capabilities.stop_strings:
             raise InvalidRequest("sampling_params.stop", params.stop, f"backend {self.backend.name} has no stop strings")
         rid = self._new_id("s")
-        future: RequestFuture[SampleResponse] = RequestFuture(rid, self.abort)
+        future: RequestFuture[SampleResponse] = RequestFuture(rid, self._abort_cb)
         return self._submit(SampleItem(rid, raw, params, num_samples, version, session_id,
                                        include_prompt_logprobs, future))
 
@@ -387,7 +391,7 @@ class Engine:
         ``settle`` it (or ``mark_unknown``) on the loop thread.
         """
         rid = self._new_id("l")
-        return self._submit(LeaseItem(rid, session_id, version, RequestFuture(rid, self.abort)))
+        return self._submit(LeaseItem(rid, session_id, version, RequestFuture(rid, self._abort_cb)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id, wherever it is (thread-safe; idempotent)."""
@@ -399,7 +403,7 @@ class Engine:
                         after: Callable[[Any], Any] | None = None) -> RequestFuture[Any]:
         """Queue blocking work: it runs on the compute thread with the sampler drained."""
         rid = self._new_id("b")
-        item = BlockingItem(rid, kind, run, RequestFuture(rid, self.abort), noop=noop, before=before, after=after)
+        item = BlockingItem(rid, kind, run, RequestFuture(rid, self._abort_cb), noop=noop, before=before, after=after)
         return self._submit(item)
 
     def install_weights(self, weights: Callable[[], Any]) -> RequestFuture[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import struct
 import time
 from array import array
 from typing import Any
@@ -42,6 +43,9 @@ __all__ = ["SamplerLoop"]
 log = logging.getLogger("rlengine")
 
 _SEED_MASK = (1 << 63) - 1
+_I32 = struct.Struct("<i")
+# Shared empty arrays: a sequence gets its own only when tokens arrive.
+_EMPTY_I, _EMPTY_F = array("i"), array("f")
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -54,21 +58,43 @@ def derive_seed(seed: int, index: int) -> int:
 class _Seq:
     """One sequence in flight: a backend request plus what it produced so far."""
 
-    __slots__ = ("item", "index", "backend_id", "seed", "tokens", "logprobs", "versions", "stop_reason")
+    __slots__ = ("item", "index", "backend_id", "seed", "tokens", "logprobs", "spans", "version", "stop_reason")
 
     def __init__(self, item: SampleItem, index: int, seed: int) -> None:
         self.item = item
         self.index = index
         self.backend_id = f"{item.request_id}.{index}"
         self.seed = seed
-        self.tokens = array("i")
-        self.logprobs = array("f")
-        self.versions = array("i")
+        self.tokens = _EMPTY_I
+        self.logprobs = _EMPTY_F
+        # Versions change only across a pause, so they are kept as spans
+        # (first token index, version) rather than one entry per token.
+        self.spans: list[tuple[int, int]] = []
+        self.version: int | None = None
         self.stop_reason: str | None = None
+
+    def add(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        if self.version != version:
+            self.spans.append((len(self.tokens), version))
+            self.version = version
+        if self.tokens is _EMPTY_I:
+            # Most sequences report once (non-streaming): build the arrays then.
+            self.tokens = array("i", token_ids)
+            self.logprobs = array("f", logprobs)
+        else:
+            self.tokens.extend(token_ids)
+            self.logprobs.extend(logprobs)
+
+    def versions_raw(self) -> bytes:
+        spans = self.spans
+        if len(spans) == 1:
+            return _I32.pack(spans[0][1]) * len(self.tokens)
+        ends = [start for start, _ in spans[1:]] + [len(self.tokens)]
+        return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(spans, ends))
 
     def to_sequence(self, stop_reason: str) -> SampledSequence:
         return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
-                               logprobs_raw=self.logprobs.tobytes(), versions_raw=self.versions.tobytes())
+                               logprobs_raw=self.logprobs.tobytes(), versions_raw=self.versions_raw())
 
 
 class SamplerLoop:
@@ -80,6 +106,9 @@ class SamplerLoop:
         self.compute = compute
         self.sched = scheduler
         self.drain_policy = drain_policy
+        # Per-step token deltas are only needed to keep the partial tokens of
+        # paused requests; otherwise each sequence reports once, finished.
+        self._stream = drain_policy == "pause"
         self.drain_timeout_s = drain_timeout_s
         self._rng = random.Random(seed)
         self._seqs: dict[str, _Seq] = {}
@@ -165,7 +194,8 @@ class SamplerLoop:
         want = item.params.max_tokens if item.params.max_tokens is not None else room
         return BackendRequest(request_id=seq.backend_id, prompt=prompt, params=item.params, seed=seed,
                               max_tokens=max(1, min(want - len(seq.tokens), room)),
-                              prompt_logprobs=item.prompt_logprobs and seq.index == 0 and not seq.tokens)
+                              prompt_logprobs=item.prompt_logprobs and seq.index == 0 and not seq.tokens,
+                              stream=self._stream)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -207,11 +237,8 @@ class SamplerLoop:
             seq = seqs.get(out.request_id)
             if seq is None:  # aborted while this step ran
                 continue
-            n = len(out.token_ids)
-            if n:
-                seq.tokens.extend(out.token_ids)
-                seq.logprobs.extend(out.logprobs)
-                seq.versions.extend((version,) * n)
+            if out.token_ids:
+                seq.add(out.token_ids, out.logprobs, version)
             if out.prompt_logprobs is not None:
                 seq.item.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
             if out.error is not None:
@@ -227,9 +254,7 @@ class SamplerLoop:
                     self._complete(item, aborted=False)
 
     def _complete(self, item: SampleItem, aborted: bool) -> None:
-        versions = set()
-        for s in item.seqs:
-            versions.update(set(s.versions))
+        versions = {v for s in item.seqs for _, v in s.spans}
         response = SampleResponse(
             sequences=[s.to_sequence(s.stop_reason or "abort") for s in item.seqs],
             request_id=item.request_id,

@@ -76,8 +76,7 @@ class SampleItem:
     """A queued ``sample`` call (``num_samples`` sequences, one future)."""
 
     __slots__ = ("request_id", "prompt", "params", "num_samples", "version", "session_id",
-                 "prompt_logprobs", "future", "lease", "seqs", "remaining", "submitted_at",
-                 "prompt_logprobs_raw")
+                 "prompt_logprobs", "future", "lease", "seqs", "remaining", "prompt_logprobs_raw")
 
     def __init__(self, request_id: str, prompt: bytes, params: SamplingParams, num_samples: int,
                  version: int | None, session_id: str | None, prompt_logprobs: bool,
@@ -94,7 +93,6 @@ class SampleItem:
         self.lease: Lease | None = None
         self.seqs: list[Any] = []
         self.remaining = num_samples
-        self.submitted_at = time.monotonic()
         self.prompt_logprobs_raw: bytes | None = None
 
 
@@ -242,10 +240,15 @@ class Scheduler:
         return not self._active
 
     def _forget(self, lease: Lease) -> None:
-        self._active.pop(lease.lease_id, None)
-        self._paused.pop(lease.lease_id, None)
-        self._unknown.pop(lease.lease_id, None)
-        self._notify_drained()
+        state = lease.state
+        if state is _ACTIVE:
+            del self._active[lease.lease_id]
+        elif state is _PAUSED:
+            del self._paused[lease.lease_id]
+        elif state is _UNKNOWN:
+            del self._unknown[lease.lease_id]
+        if self._drain_waiters:
+            self._notify_drained()
 
     def _notify_drained(self) -> None:
         if not self._active and self._drain_waiters:
@@ -260,8 +263,8 @@ class Scheduler:
         if outcome not in ("completed", "aborted", "failed", "written_off"):
             raise GateError(f"outcome={outcome!r}: must be completed, aborted, failed or written_off")
         lease.versions.update(versions)
-        lease.state = _SETTLED
         self._forget(lease)
+        lease.state = _SETTLED
         receipt = Receipt(lease_id=lease.lease_id, request_id=lease.request_id,
                           session_id=lease.session_id, versions=sorted(lease.versions), outcome=outcome)
         self.receipts.append(receipt)
@@ -271,8 +274,8 @@ class Scheduler:
         if lease.state == _SETTLED:
             raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
         lease.reason = reason
-        lease.state = _UNKNOWN
         self._forget(lease)
+        lease.state = _UNKNOWN
         self._unknown[lease.lease_id] = lease
 
     def write_off(self, lease_id: int) -> Receipt:

@@ -60,8 +60,13 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian targets
     raise ImportError("rlengine stores raw arrays little-endian and needs a little-endian host")
 
 
-class _Public(msgspec.Struct, kw_only=True, frozen=True):
-    """Base of the public value types."""
+class _Public(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Base of the public value types.
+
+    ``gc=False``: these values hold only bytes, numbers, strings and
+    containers of them, never a reference back to engine objects, so they
+    cannot form cycles; untracked, thousands in flight cost the cyclic
+    collector nothing."""
 
 
 def int32_bytes(field: str, tokens: Any) -> bytes:
@@ -197,11 +202,15 @@ class SamplingParams(_Public):
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        return tuple(x for x in self.stop or () if isinstance(x, str))
+        if self.stop is None:
+            return ()
+        return tuple(x for x in self.stop if isinstance(x, str))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(x for x in self.stop or () if isinstance(x, int))
+        if self.stop is None:
+            return ()
+        return tuple(x for x in self.stop if isinstance(x, int))
 
 
 class SampledSequence(_Public):
@@ -216,14 +225,9 @@ class SampledSequence(_Public):
     logprobs_raw: bytes = b""
     versions_raw: bytes = b""
 
-    def __post_init__(self) -> None:
-        n = _check_raw("SampledSequence.tokens_raw", self.tokens_raw, 4)
-        if _check_raw("SampledSequence.logprobs_raw", self.logprobs_raw, 4) != n:
-            raise InvalidRequest("SampledSequence.logprobs_raw", len(self.logprobs_raw),
-                                 f"must hold one float32 per token ({n} tokens)")
-        if _check_raw("SampledSequence.versions_raw", self.versions_raw, 4) != n:
-            raise InvalidRequest("SampledSequence.versions_raw", len(self.versions_raw),
-                                 f"must hold one int32 per token ({n} tokens)")
+    # No __post_init__ check: the engine builds these (one per finished
+    # sequence, on the hot path) with equal lengths by construction, and
+    # nobody sends them *to* the engine.
 
     @property
     def tokens(self) -> list[int]:

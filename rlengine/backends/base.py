@@ -54,6 +54,10 @@ class BackendRequest(msgspec.Struct, kw_only=True, gc=False):
     """Tokens still to generate (``params.max_tokens`` minus what a paused
     request already generated, capped by the context length)."""
     prompt_logprobs: bool = False
+    stream: bool = True
+    """True: report new tokens every step (needed to keep partial tokens of a
+    paused request). False: report once, when finished, with every token -
+    like vLLM's ``FINAL_ONLY``, it spares the engine per-token work."""
 
 
 class RequestOutput:

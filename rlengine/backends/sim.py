@@ -54,7 +54,7 @@ def _log_softmax(theta: np.ndarray) -> np.ndarray:
 
 class _SimSeq:
     __slots__ = ("rid", "seed", "pos", "end", "limit", "greedy", "stop_ids", "stop_strings", "text",
-                 "prompt", "want_prompt_lp")
+                 "prompt", "want_prompt_lp", "stream", "tokens", "logprobs")
 
     def __init__(self, req: BackendRequest, gen_len: int) -> None:
         self.rid = req.request_id
@@ -68,6 +68,9 @@ class _SimSeq:
         self.text = ""
         self.prompt = req.prompt
         self.want_prompt_lp = req.prompt_logprobs
+        self.stream = req.stream
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
 
 
 class SimBackend:
@@ -141,16 +144,22 @@ class SimBackend:
         for seq in running.values():
             tok = argmax if seq.greedy else _mix(seq.seed, seq.pos) % vocab
             seq.pos += 1
-            out = RequestOutput(seq.rid, [tok], [logp[tok]])
-            if seq.want_prompt_lp:
-                seq.want_prompt_lp = False
-                prompt = np.frombuffer(seq.prompt, dtype=np.int32)[1:]
-                out.prompt_logprobs = [logp[t] for t in prompt.tolist()]
+            seq.tokens.append(tok)
+            seq.logprobs.append(logp[tok])
             stop = tok in seq.stop_ids
             if not stop and seq.stop_strings:
                 seq.text += decode_sim_token(tok)
                 stop = any(s in seq.text[-len(s) - 1:] for s in seq.stop_strings)
-            if stop or seq.pos >= seq.end:
+            finished = stop or seq.pos >= seq.end
+            if not (seq.stream or finished):
+                continue
+            out = RequestOutput(seq.rid, seq.tokens, seq.logprobs)
+            seq.tokens, seq.logprobs = [], []
+            if seq.want_prompt_lp:
+                seq.want_prompt_lp = False
+                prompt = np.frombuffer(seq.prompt, dtype=np.int32)[1:]
+                out.prompt_logprobs = [logp[t] for t in prompt.tolist()]
+            if finished:
                 out.finished = True
                 out.stop_reason = "stop" if stop or seq.pos < seq.limit else "length"
                 done.append(seq.rid)
