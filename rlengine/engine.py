@@ -243,8 +243,9 @@ class Engine:
         await asyncio.to_thread(compute.stop, timeout)
 
     def _finish_closed(self) -> None:
-        if self._state != "dead":
-            self._state = "closed"
+        died = self._sampler is not None and self._sampler.dead is not None \
+            and not isinstance(self._sampler.dead, EngineClosed)
+        self._state = "dead" if died or self._state == "dead" else "closed"
         # Anything that raced into the inbox after the loop stopped is failed here.
         self._fail_inbox()
 
@@ -325,7 +326,7 @@ class Engine:
 
     @property
     def state(self) -> str:
-        """new, starting, running, closing, closed or dead."""
+        """new, starting, running, closing, closed or dead (crashed; stays dead once closed)."""
         if self._sampler is not None and self._sampler.dead is not None and self._state != "closed":
             return "dead"
         return self._state
@@ -446,6 +447,26 @@ class Engine:
             return self.gate.version is None
 
         return self.submit_blocking("unload", run, noop=noop, after=after)
+
+    def call_on_loop(self, fn: Callable[..., Any], *args: Any) -> RequestFuture[Any]:
+        """Run ``fn(*args)`` on the loop thread (where gate and leases live); thread-safe."""
+        future: RequestFuture[Any] = RequestFuture(self._new_id("c"))
+
+        def call() -> None:
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                future.set_exception(exc)
+
+        if self._state not in ("running", "closing"):
+            future.set_exception(EngineClosed(f"the engine is {self._state}"))
+        else:
+            self._call_soon(call)
+        return future
+
+    def write_off(self, lease_id: int) -> RequestFuture[Any]:
+        """Give up on a lease with an unknown outcome (un-poisons the gate for it)."""
+        return self.call_on_loop(lambda: self.gate.write_off(lease_id))
 
     def training_client(self) -> TrainingClient:
         from rlengine.clients import TrainingClient

@@ -119,10 +119,12 @@ class SamplerLoop:
         self._wave_hold: list[tuple[SampleItem, SampleResponse]] = []
         self._running_blocking: BlockingItem | None = None
         self._wake = asyncio.Event()
+        scheduler.on_drained = self._wake.set
         self._stopping = False
         self.dead: EngineDeadError | None = None
         self.asleep = False
         self.steps = 0
+        self.admitted = 0
         self.blocking_runs = 0
 
     # -- intake (loop thread) --------------------------------------------------
@@ -178,6 +180,7 @@ class SamplerLoop:
                 item.future.set_result(item.lease)
                 continue
             self._items[item.request_id] = item
+            self.admitted += 1
             base = item.params.seed
             for i in range(item.num_samples):
                 seed = self._rng.getrandbits(63) if base is None else derive_seed(base, i)
@@ -455,6 +458,7 @@ class SamplerLoop:
 
     def describe(self) -> dict[str, Any]:
         return {"in_flight_sequences": len(self._seqs), "queued": len(self.sched),
-                "steps": self.steps, "blocking_runs": self.blocking_runs, "asleep": self.asleep,
+                "steps": self.steps, "admitted": self.admitted, "blocking_runs": self.blocking_runs,
+                "asleep": self.asleep,
                 "version": self.sched.version, "sealed": self.sched.sealed}
 

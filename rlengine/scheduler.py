@@ -151,6 +151,8 @@ class Scheduler:
         self._paused: dict[int, Lease] = {}
         self._unknown: dict[int, Lease] = {}
         self._drain_waiters: list[asyncio.Future[None]] = []
+        self.on_drained: Callable[[], None] | None = None
+        """Called whenever the last running lease ends (the sampler loop wakes on it)."""
         self.receipts: deque[Receipt] = deque(maxlen=receipts_kept)
 
     # -- the FIFO -------------------------------------------------------------
@@ -247,11 +249,15 @@ class Scheduler:
             del self._paused[lease.lease_id]
         elif state is _UNKNOWN:
             del self._unknown[lease.lease_id]
-        if self._drain_waiters:
+        if not self._active:
             self._notify_drained()
 
     def _notify_drained(self) -> None:
-        if not self._active and self._drain_waiters:
+        if self._active:
+            return
+        if self.on_drained is not None:
+            self.on_drained()
+        if self._drain_waiters:
             waiters, self._drain_waiters = self._drain_waiters, []
             for w in waiters:
                 if not w.done():
