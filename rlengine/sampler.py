@@ -26,6 +26,8 @@ import time
 from array import array
 from typing import Any
 
+import msgspec
+
 from rlengine.backends.base import Backend, BackendRequest, RequestOutput
 from rlengine.compute import ComputeThread
 from rlengine.errors import (
@@ -44,8 +46,6 @@ log = logging.getLogger("rlengine")
 
 _SEED_MASK = (1 << 63) - 1
 _I32 = struct.Struct("<i")
-# Shared empty arrays: a sequence gets its own only when tokens arrive.
-_EMPTY_I, _EMPTY_F = array("i"), array("f")
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -55,44 +55,57 @@ def derive_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _SEED_MASK
 
 
-class _Seq:
-    """One sequence in flight: a backend request plus what it produced so far."""
+class _Seq(msgspec.Struct, gc=False):
+    """One sequence in flight: a backend request plus what it produced so far.
 
-    __slots__ = ("item", "index", "backend_id", "seed", "tokens", "logprobs", "spans", "version", "stop_reason")
+    An untracked Struct (see ``rlengine.scheduler.Lease``): thousands are in
+    flight and none is part of a reference cycle.
+    """
 
-    def __init__(self, item: SampleItem, index: int, seed: int) -> None:
-        self.item = item
-        self.index = index
-        self.backend_id = f"{item.request_id}.{index}"
-        self.seed = seed
-        self.tokens = _EMPTY_I
-        self.logprobs = _EMPTY_F
-        # Versions change only across a pause, so they are kept as spans
-        # (first token index, version) rather than one entry per token.
-        self.spans: list[tuple[int, int]] = []
-        self.version: int | None = None
-        self.stop_reason: str | None = None
+    item: SampleItem
+    index: int
+    backend_id: str
+    seed: int
+    tokens: array | None = None
+    logprobs: array | None = None
+    version: int | None = None
+    """The version of the latest tokens."""
+    spans: list[tuple[int, int]] | None = None
+    """(first token index, version) per version, once a second version appears
+    (only across a pause); None while every token has ``version``."""
+    stop_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.tokens is None else len(self.tokens)
 
     def add(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        if self.version != version:
-            self.spans.append((len(self.tokens), version))
-            self.version = version
-        if self.tokens is _EMPTY_I:
+        if self.tokens is None:
             # Most sequences report once (non-streaming): build the arrays then.
             self.tokens = array("i", token_ids)
             self.logprobs = array("f", logprobs)
-        else:
-            self.tokens.extend(token_ids)
-            self.logprobs.extend(logprobs)
+            self.version = version
+            return
+        if self.version != version:
+            if self.spans is None:
+                self.spans = [(0, self.version)]
+            self.spans.append((len(self.tokens), version))
+            self.version = version
+        self.tokens.extend(token_ids)
+        assert self.logprobs is not None
+        self.logprobs.extend(logprobs)
 
     def versions_raw(self) -> bytes:
-        spans = self.spans
-        if len(spans) == 1:
-            return _I32.pack(spans[0][1]) * len(self.tokens)
-        ends = [start for start, _ in spans[1:]] + [len(self.tokens)]
-        return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(spans, ends))
+        n = self.length
+        if self.spans is None:
+            return b"" if self.version is None else _I32.pack(self.version) * n
+        ends = [start for start, _ in self.spans[1:]] + [n]
+        return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(self.spans, ends))
 
     def to_sequence(self, stop_reason: str) -> SampledSequence:
+        if self.tokens is None:
+            return SampledSequence(stop_reason=stop_reason)
+        assert self.logprobs is not None
         return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
                                logprobs_raw=self.logprobs.tobytes(), versions_raw=self.versions_raw())
 
@@ -160,7 +173,7 @@ class SamplerLoop:
     def _abort_sample(self, item: SampleItem) -> None:
         """Abort an admitted sample: partial tokens are kept, stop_reason 'abort'."""
         self._items.pop(item.request_id, None)
-        for seq in item.seqs:
+        for seq in item.seqs or ():
             if self._seqs.pop(seq.backend_id, None) is not None:
                 self._to_abort.append(seq.backend_id)
             if seq.stop_reason is None:
@@ -182,22 +195,24 @@ class SamplerLoop:
             self._items[item.request_id] = item
             self.admitted += 1
             base = item.params.seed
+            item.seqs = []
+            item.remaining = item.num_samples
             for i in range(item.num_samples):
                 seed = self._rng.getrandbits(63) if base is None else derive_seed(base, i)
-                seq = _Seq(item, i, seed)
+                seq = _Seq(item, i, f"{item.request_id}.{i}", seed)
                 item.seqs.append(seq)
                 self._seqs[seq.backend_id] = seq
                 self._to_add.append(self._backend_request(seq, item.prompt, seed))
             if item.lease is not None and version is not None:
-                item.lease.versions.add(version)
+                item.lease.add_version(version)
 
     def _backend_request(self, seq: _Seq, prompt: bytes, seed: int) -> BackendRequest:
         item = seq.item
         room = self.backend.max_model_len - len(prompt) // 4
         want = item.params.max_tokens if item.params.max_tokens is not None else room
         return BackendRequest(request_id=seq.backend_id, prompt=prompt, params=item.params, seed=seed,
-                              max_tokens=max(1, min(want - len(seq.tokens), room)),
-                              prompt_logprobs=item.prompt_logprobs and seq.index == 0 and not seq.tokens,
+                              max_tokens=max(1, min(want - seq.length, room)),
+                              prompt_logprobs=item.prompt_logprobs and seq.index == 0 and not seq.length,
                               stream=self._stream)
 
     # -- stepping -------------------------------------------------------------------
@@ -257,13 +272,15 @@ class SamplerLoop:
                     self._complete(item, aborted=False)
 
     def _complete(self, item: SampleItem, aborted: bool) -> None:
-        versions = {v for s in item.seqs for _, v in s.spans}
+        seqs = item.seqs or ()
         response = SampleResponse(
-            sequences=[s.to_sequence(s.stop_reason or "abort") for s in item.seqs],
+            sequences=[s.to_sequence(s.stop_reason or "abort") for s in seqs],
             request_id=item.request_id,
             prompt_logprobs_raw=item.prompt_logprobs_raw)
         if item.lease is not None:
-            item.lease.settle("aborted" if aborted else "completed", versions)
+            # The lease already knows its versions: the one at admission and
+            # any it was resumed on after a pause.
+            item.lease.settle("aborted" if aborted else "completed")
         if not self.sched.continuous and not aborted:
             self._wave_hold.append((item, response))
         else:
@@ -272,7 +289,7 @@ class SamplerLoop:
     def _fail_sample(self, item: SampleItem, exc: BaseException, unknown: bool) -> None:
         """Fail a whole sample call; ``unknown`` poisons its lease until written off."""
         self._items.pop(item.request_id, None)
-        for seq in item.seqs:
+        for seq in item.seqs or ():
             if self._seqs.pop(seq.backend_id, None) is not None:
                 self._to_abort.append(seq.backend_id)
         self._paused = [s for s in self._paused if s.item is not item]
@@ -291,7 +308,7 @@ class SamplerLoop:
         for item in self._items.values():
             if item.lease is not None and item.lease.state == "active":
                 leases.append(item.lease)
-            for seq in item.seqs:
+            for seq in item.seqs or ():
                 if self._seqs.pop(seq.backend_id, None) is not None:
                     self._to_abort.append(seq.backend_id)
                     self._paused.append(seq)
@@ -313,10 +330,11 @@ class SamplerLoop:
                 self._fail_sample(item, self.sched.stale_error(item), unknown=False)
                 continue
             if version is not None and item.lease is not None:
-                item.lease.versions.add(version)
-            seq.seed = derive_seed(seq.seed, len(seq.tokens))
+                item.lease.add_version(version)
+            seq.seed = derive_seed(seq.seed, seq.length)
             self._seqs[seq.backend_id] = seq
-            self._to_add.append(self._backend_request(seq, item.prompt + seq.tokens.tobytes(), seq.seed))
+            done = seq.tokens.tobytes() if seq.tokens is not None else b""
+            self._to_add.append(self._backend_request(seq, item.prompt + done, seq.seed))
 
     async def _run_blocking(self, item: BlockingItem) -> None:
         loop = asyncio.get_running_loop()

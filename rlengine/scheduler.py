@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from rlengine.errors import DrainTimeout, GateError, GatePoisoned, ModelNotLoaded
 from rlengine.futures import RequestFuture
 from rlengine.types import Receipt, SamplingParams
@@ -42,58 +44,58 @@ __all__ = ["BlockingItem", "Lease", "LeaseItem", "SampleItem", "Scheduler"]
 _ACTIVE, _PAUSED, _UNKNOWN, _SETTLED = "active", "paused", "unknown", "settled"
 
 
-class Lease:
+class Lease(msgspec.Struct, gc=False):
     """A claim on the sampler by one request or session turn.
 
     ``versions`` collects every policy version that produced a token under
-    this lease; ``settle`` turns it into a ``Receipt``.
+    this lease; ``settle`` turns it into a ``Receipt``. (A ``gc=False``
+    Struct, like the other per-request records here: thousands are in
+    flight, none is part of a reference cycle once it leaves the ledger, and
+    untracked they cost the cyclic collector nothing.)
     """
 
-    __slots__ = ("lease_id", "session_id", "request_id", "state", "versions", "reason", "_gate")
-
-    def __init__(self, gate: Scheduler, lease_id: int, session_id: str | None, request_id: str) -> None:
-        self._gate = gate
-        self.lease_id = lease_id
-        self.session_id = session_id
-        self.request_id = request_id
-        self.state = _ACTIVE
-        self.versions: set[int] = set()
-        self.reason = ""
+    gate: Scheduler
+    lease_id: int
+    session_id: str | None
+    request_id: str
+    state: str = _ACTIVE
+    versions: set[int] | None = None
+    reason: str = ""
 
     def __repr__(self) -> str:
         return f"<Lease {self.lease_id} {self.request_id} {self.state}>"
 
+    def add_version(self, version: int) -> None:
+        if self.versions is None:
+            self.versions = {version}
+        else:
+            self.versions.add(version)
+
     def settle(self, outcome: str, versions: Iterable[int] = ()) -> Receipt:
         """Settle with ``completed``, ``aborted`` or ``failed``; returns the receipt."""
-        return self._gate.settle(self, outcome, versions)
+        return self.gate.settle(self, outcome, versions)
 
     def mark_unknown(self, reason: str) -> None:
         """The outcome cannot be known: keep the lease, poisoning the gate."""
-        self._gate.mark_unknown(self, reason)
+        self.gate.mark_unknown(self, reason)
 
 
-class SampleItem:
+class SampleItem(msgspec.Struct, gc=False):
     """A queued ``sample`` call (``num_samples`` sequences, one future)."""
 
-    __slots__ = ("request_id", "prompt", "params", "num_samples", "version", "session_id",
-                 "prompt_logprobs", "future", "lease", "seqs", "remaining", "prompt_logprobs_raw")
-
-    def __init__(self, request_id: str, prompt: bytes, params: SamplingParams, num_samples: int,
-                 version: int | None, session_id: str | None, prompt_logprobs: bool,
-                 future: RequestFuture[Any]) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.params = params
-        self.num_samples = num_samples
-        self.version = version
-        """The sampler version this request addresses; None follows the latest."""
-        self.session_id = session_id
-        self.prompt_logprobs = prompt_logprobs
-        self.future = future
-        self.lease: Lease | None = None
-        self.seqs: list[Any] = []
-        self.remaining = num_samples
-        self.prompt_logprobs_raw: bytes | None = None
+    request_id: str
+    prompt: bytes
+    params: SamplingParams
+    num_samples: int
+    version: int | None
+    """The sampler version this request addresses; None follows the latest."""
+    session_id: str | None
+    prompt_logprobs: bool
+    future: RequestFuture[Any]
+    lease: Lease | None = None
+    seqs: list[Any] | None = None
+    remaining: int = 0
+    prompt_logprobs_raw: bytes | None = None
 
 
 class LeaseItem:
@@ -268,11 +270,13 @@ class Scheduler:
             raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
         if outcome not in ("completed", "aborted", "failed", "written_off"):
             raise GateError(f"outcome={outcome!r}: must be completed, aborted, failed or written_off")
-        lease.versions.update(versions)
         self._forget(lease)
         lease.state = _SETTLED
-        receipt = Receipt(lease_id=lease.lease_id, request_id=lease.request_id,
-                          session_id=lease.session_id, versions=sorted(lease.versions), outcome=outcome)
+        known = lease.versions
+        if versions:
+            known = set(versions) if known is None else known | set(versions)
+        receipt = Receipt(lease_id=lease.lease_id, request_id=lease.request_id, session_id=lease.session_id,
+                          versions=sorted(known) if known else [], outcome=outcome)
         self.receipts.append(receipt)
         return receipt
 
