@@ -1,8 +1,11 @@
 """Engine configuration: ``EngineConfig`` and the sim backend's ``SimConfig``.
 
 Plain msgspec Structs, validated on construction; a bad value raises
-``ConfigurationError`` naming the field. Environment variables that change
-behaviour are read here and nowhere else.
+``ConfigurationError`` naming the field. The environment variables that change
+the engine's own behaviour are read here; those of one backend or extension
+are read where they apply (``RLENGINE_TORCH_THREADS`` in ``torch_runtime``,
+``RLENGINE_CACHE`` in ``models``, ``RLENGINE_NO_EXTENSIONS`` in ``trie``,
+``VLLM_*`` in ``backends.vllm_backend``); the README lists them all.
 """
 
 from __future__ import annotations

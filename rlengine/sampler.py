@@ -365,7 +365,9 @@ class SamplerLoop:
             self._running_blocking = None
             self.sched.reopen()
             self.blocking_runs += 1
-        if not noop and self.sched.head_blocking() is None and not self._stopping:
+        # Also after a no-op: it may be the last of a run of blocking items
+        # that put the sampler to sleep or paused requests.
+        if self.sched.head_blocking() is None and not self._stopping:
             await self._wake_sampler()
 
     async def _wake_sampler(self) -> None:

@@ -166,6 +166,9 @@ class SamplingParams(_Public):
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence token (benchmarks,
+    tests); explicit ``stop`` ids and strings still apply. Not in Tinker."""
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -180,6 +183,8 @@ class SamplingParams(_Public):
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or (k != -1 and k < 1):
             raise InvalidRequest("top_k", k, "must be -1 (no limit) or >= 1")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest("ignore_eos", self.ignore_eos, "must be a bool")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
             raise InvalidRequest("seed", s, "must be an integer or None")

@@ -38,6 +38,8 @@ class BackendSpec(NamedTuple):
 
 SPECS: dict[str, BackendSpec] = {
     "sim": BackendSpec((), None, "rlengine.backends.sim:build", "rlengine.trainer.sim:build"),
+    "torch": BackendSpec(("torch", "transformers"), "rlengine.models:prepare", "rlengine.backends.torch_backend:build",
+                         "rlengine.trainer.torch_trainer:build"),
 }
 # backend="auto" takes the first usable of these, in this order.
 AUTO_ORDER: tuple[str, ...] = ("vllm", "torch")

@@ -1,0 +1,203 @@
+"""Torch backend benchmarks (pytest-benchmark); figures in bench/RESULTS_torch.md.
+
+Each figure is measured against its baseline in the same run, rounds
+alternating, medians taken (the machine is a noisy 2-vCPU VM):
+
+* uniform lengths: 16 requests of 64 greedy tokens each through the Engine
+  (torch backend, continuous batching) vs one HF ``generate`` call on the
+  same 16 prompts (batch 16, same tiny model); throughput ratio, target >= 1.
+* heavy-tailed lengths: 12 requests of 24 tokens and 4 of 240 (10x); mean
+  completion latency of the 16 requests, Engine vs HF ``generate`` (which
+  returns the whole batch when its longest member is done); target >= 2x.
+* weight install: ``backend.load_weights(trainer.sampler_weights())`` and the
+  Engine's ``save_weights_for_sampler`` (gate, drain, compute-thread hop
+  included), per MB of weights, vs a plain ``dst.copy_(src)`` loop over the
+  same tensors; for the tiny model and a ~50 MB one.
+
+    OMP_NUM_THREADS=1 python -m pytest bench/test_torch.py --benchmark-only -s
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import numpy as np
+import pytest
+import torch
+
+import rlengine as rle
+from rlengine.backends.torch_backend import TorchBackend
+from rlengine.models import build_tiny, prepare
+from rlengine.trainer.torch_trainer import TorchTrainer
+
+ROUNDS = 5
+BATCH = 16
+PROMPT_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("rlengine-bench-cache"))
+
+
+@pytest.fixture(scope="module")
+def engine(cache):
+    with rle.Engine(rle.EngineConfig(model="tiny", backend="torch", cache_dir=cache)) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def hf_model(engine):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(engine.model_path, local_files_only=True).eval()
+
+
+def _prompts(engine: rle.Engine, max_new: int) -> list[list[int]]:
+    """16 prompts whose greedy continuations run ``max_new`` tokens without an eos,
+    so the engine and HF generate produce exactly the same number of tokens."""
+    rng = np.random.default_rng(0)
+    sampler = engine.sampling_client()
+    chosen: list[list[int]] = []
+    while len(chosen) < BATCH:
+        candidates = rng.integers(3, engine.backend.vocab_size, (BATCH, PROMPT_LEN)).tolist()
+        futures = [sampler.sample(p, 1, rle.SamplingParams(max_tokens=max_new, temperature=0.0)) for p in candidates]
+        chosen += [p for p, f in zip(candidates, futures) if f.result(120).sequences[0].length == max_new]
+    return chosen[:BATCH]
+
+
+def _engine_run(engine: rle.Engine, prompts: list[list[int]], lengths: list[int]) -> tuple[float, list[float]]:
+    """Wall time of the whole batch and each request's completion latency (seconds)."""
+    sampler = engine.sampling_client()
+    done: list[float] = [0.0] * len(prompts)
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    futures = [sampler.sample(p, 1, rle.SamplingParams(max_tokens=n, temperature=0.0))
+               for p, n in zip(prompts, lengths)]
+    for i, f in enumerate(futures):
+        def record(_f, i=i):
+            with lock:
+                done[i] = time.perf_counter() - t0
+        f.add_done_callback(record)
+    for f, n in zip(futures, lengths):
+        assert f.result(300).sequences[0].length == n
+    wall = time.perf_counter() - t0
+    with lock:
+        return wall, list(done)
+
+
+def _hf_run(model, prompts: list[list[int]], max_new: int) -> float:
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                             min_new_tokens=max_new, pad_token_id=0)
+    wall = time.perf_counter() - t0
+    assert out.shape == (len(prompts), PROMPT_LEN + max_new)
+    return wall
+
+
+def _record(benchmark, result: dict) -> dict:
+    benchmark.extra_info.update(result)
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    return result
+
+
+def test_uniform_lengths_throughput_vs_hf_generate(benchmark, engine, hf_model):
+    new = 64
+    prompts = _prompts(engine, new)
+    ours, theirs = [], []
+
+    def run() -> None:
+        _engine_run(engine, prompts, [new] * BATCH)  # warm-up
+        _hf_run(hf_model, prompts, new)
+        for _ in range(ROUNDS):
+            ours.append(_engine_run(engine, prompts, [new] * BATCH)[0])
+            theirs.append(_hf_run(hf_model, prompts, new))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    tokens = BATCH * new
+    e, h = statistics.median(ours), statistics.median(theirs)
+    r = _record(benchmark, {"batch": BATCH, "new_tokens_each": new, "engine_tokens_per_s": tokens / e,
+                            "hf_generate_tokens_per_s": tokens / h, "throughput_ratio_engine_over_hf": h / e,
+                            "target_ratio": 1.0})
+    assert r["throughput_ratio_engine_over_hf"] >= r["target_ratio"], r
+
+
+def test_heavy_tailed_mean_latency_vs_hf_generate(benchmark, engine, hf_model):
+    short, long = 24, 240
+    lengths = [long if i % 4 == 0 else short for i in range(BATCH)]  # 4 of 16 are 10x longer
+    prompts = _prompts(engine, long)
+    ours_mean, ours_wall, theirs = [], [], []
+
+    def run() -> None:
+        _engine_run(engine, prompts, lengths)  # warm-up
+        for _ in range(ROUNDS):
+            wall, latencies = _engine_run(engine, prompts, lengths)
+            ours_mean.append(statistics.fmean(latencies))
+            ours_wall.append(wall)
+            # HF generate hands back the whole batch at once: every request's
+            # latency is the call's wall time.
+            theirs.append(_hf_run(hf_model, prompts, long))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    e, h = statistics.median(ours_mean), statistics.median(theirs)
+    r = _record(benchmark, {"batch": BATCH, "short_tokens": short, "long_tokens": long, "long_requests": 4,
+                            "engine_mean_latency_s": e, "engine_makespan_s": statistics.median(ours_wall),
+                            "hf_generate_mean_latency_s": h, "latency_ratio_hf_over_engine": h / e,
+                            "target_ratio": 2.0})
+    assert r["latency_ratio_hf_over_engine"] >= r["target_ratio"], r
+
+
+def _install_figures(model_path: str, engine: rle.Engine | None, reps: int = 30) -> dict:
+    trainer = TorchTrainer(model_path)
+    backend = TorchBackend(model_path)
+    weights = trainer.sampler_weights()
+    mb = sum(t.numel() * t.element_size() for _, t in weights) / 2**20
+    targets = dict(backend.model.named_parameters())
+    pairs = [(targets[name], tensor) for name, tensor in weights]
+    install, copy = [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        backend.load_weights(trainer.sampler_weights(), i + 1)
+        install.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        copy.append(time.perf_counter() - t0)
+    for name, tensor in weights:
+        assert torch.equal(targets[name], tensor)
+    out = {"weights_mb": mb, "load_weights_ms_per_mb": statistics.median(install) * 1e3 / mb,
+           "copy_ms_per_mb": statistics.median(copy) * 1e3 / mb,
+           "load_weights_over_copy": statistics.median(install) / statistics.median(copy)}
+    if engine is not None:
+        client = engine.training_client()
+        client.save_weights_for_sampler().result(120)  # builds the engine's trainer
+        through = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            client.save_weights_for_sampler().result(120)
+            through.append(time.perf_counter() - t0)
+        out["engine_install_ms_per_mb"] = statistics.median(through) * 1e3 / mb
+        out["engine_install_over_copy"] = statistics.median(through) / statistics.median(copy)
+    return out
+
+
+def test_weight_install_per_mb_vs_plain_copy(benchmark, engine, cache, tmp_path):
+    figures: dict = {}
+
+    def run() -> None:
+        figures["tiny"] = _install_figures(prepare(rle.EngineConfig(model="tiny", cache_dir=cache)), engine)
+        medium = build_tiny(str(tmp_path / "medium"), hidden_size=384, num_heads=6, num_kv_heads=2,
+                            intermediate_size=1152, num_layers=6)
+        figures["medium"] = _install_figures(medium, None, reps=10)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    _record(benchmark, {f"{size}_{k}": v for size, fig in figures.items() for k, v in fig.items()})

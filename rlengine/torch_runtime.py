@@ -1,0 +1,122 @@
+"""Torch settings shared by the torch backend and the torch trainer: threads, device, dtype, model loading.
+
+Threads: on small CPU machines torch's default intra-op pool oversubscribes
+the cores the event loop also needs; on this project's 2-vCPU machines two
+intra-op threads were measured 15-30x slower than one, for our backend and
+for plain HF ``generate`` alike. So ``configure_threads`` (called on the
+engine's compute thread, where every torch op of the engine runs; the
+setting is per thread under OpenMP) picks:
+
+* ``RLENGINE_TORCH_THREADS=N`` if set (the override, N >= 1);
+* else torch's own choice if ``OMP_NUM_THREADS`` is set (the user decided);
+* else 1 thread on machines with at most 4 usable CPUs;
+* else torch's own choice.
+
+Device: CUDA when available, else CPU; ``EngineConfig.engine_args["device"]``
+overrides. Dtype: ``EngineConfig.dtype``.
+
+This module imports torch; nothing on the control plane may import it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rlengine.errors import ConfigurationError
+
+__all__ = ["ENGINE_ARGS", "SUPPORTED_ARCHITECTURES", "configure_threads", "engine_args", "load_causal_lm",
+           "pick_device", "torch_dtype", "usable_cpus"]
+
+# Architectures whose decoder layers the torch backend runs itself (Llama-style
+# attention: q/k/v/o projections, RoPE, RMSNorm, gated MLP; Qwen3 adds q/k norms).
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+
+_SMALL_MACHINE_CPUS = 4
+
+ENGINE_ARGS: dict[str, object] = {
+    "device": None,
+    "prefill_tokens": 8192,
+    "micro_batch_tokens": 8192,
+}
+"""``EngineConfig.engine_args`` understood by the torch backend and trainer, with defaults:
+``device`` (None: CUDA if available, else CPU); ``prefill_tokens``, the padded
+prompt tokens one prefill batch may hold (at least one whole prompt always
+fits); ``micro_batch_tokens``, the padded tokens per trainer forward pass."""
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def configure_threads() -> int:
+    """Apply the intra-op thread default to the calling thread; returns the count in force."""
+    raw = os.environ.get("RLENGINE_TORCH_THREADS", "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigurationError(f"RLENGINE_TORCH_THREADS={raw!r}: must be an integer >= 1")
+        torch.set_num_threads(n)
+    elif not os.environ.get("OMP_NUM_THREADS") and usable_cpus() <= _SMALL_MACHINE_CPUS:
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
+def engine_args(config: Any) -> dict[str, Any]:
+    """``EngineConfig.engine_args`` for the torch backend and trainer, validated, defaults filled in."""
+    given = dict(config.engine_args or {})
+    unknown = sorted(set(given) - set(ENGINE_ARGS))
+    if unknown:
+        raise ConfigurationError(f"engine_args {unknown}: not options of the torch backend "
+                                 f"(known: {', '.join(ENGINE_ARGS)})")
+    args = {**ENGINE_ARGS, **given}
+    for name in ("prefill_tokens", "micro_batch_tokens"):
+        v = args[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigurationError(f"engine_args[{name!r}]={v!r}: must be an integer >= 1")
+    return args
+
+
+def pick_device(config: Any) -> torch.device:
+    """``engine_args["device"]`` if given, else CUDA when available, else CPU."""
+    wanted = (config.engine_args or {}).get("device")
+    if wanted is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(wanted)
+    except (RuntimeError, TypeError):
+        raise ConfigurationError(f"engine_args['device']={wanted!r}: not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"engine_args['device']={wanted!r}: CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigurationError(f"engine_args['device']={wanted!r}: the torch backend runs on cpu or cuda")
+    return device
+
+
+def torch_dtype(config: Any) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+
+
+def load_causal_lm(model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """An HF causal LM from a local directory, offline, on ``device`` in ``dtype``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ConfigurationError(f"model={model_path!r}: architecture {archs or 'unknown'} is not supported by "
+                                 f"the torch backend (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in (
+            getattr(hf_config, "layer_types", None) or ()):
+        raise ConfigurationError(f"model={model_path!r}: sliding-window attention is not supported by the "
+                                 "torch backend")
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+    return model.to(device=device, dtype=dtype)

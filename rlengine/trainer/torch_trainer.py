@@ -1,0 +1,249 @@
+"""The torch trainer: Tinker training semantics on a Hugging Face causal LM.
+
+Same methods as ``SimTrainer``; the engine calls them on its compute thread
+with the sampler drained:
+
+* ``forward`` / ``forward_backward(data, loss_fn, thresholds)``: a Datum's
+  ``model_input`` tokens are the inputs and ``loss_fn_inputs["target_tokens"]``
+  the next-token target at each position (same length). The model runs its
+  own HF forward on right-padded micro-batches (no mask is needed: causal
+  attention never lets a real position see the padding after it); ``logp``
+  of each target is ``log_softmax(logits)[target]``. Each loss is the one
+  ``rlengine.trainer.losses.elementwise`` defines, which also returns
+  ``d loss / d logp``; that is chained into the model with
+  ``torch.autograd.backward(logp, dlogp)``. So there is one definition of
+  every loss, shared with the sim trainer, and the torch trainer cannot drift
+  from it. Gradients accumulate across calls until ``optim_step``.
+* ``optim_step(AdamParams)``: torch AdamW with the given hyperparameters,
+  after global grad-norm clipping when ``grad_clip_norm > 0``.
+* ``sampler_weights``: the parameters themselves, by HF name, for the
+  backend's ``load_weights`` to copy (no disk, no extra copy here).
+* ``save_state`` / ``load_state``: weights (``model.safetensors`` plus the
+  model's config and tokenizer files, so the directory is itself a loadable
+  model directory) and optimizer state with pending gradients
+  (``optimizer.safetensors``); a resumed run takes a bit-identical next step.
+
+Master weights and optimizer state are float32 whatever ``EngineConfig.dtype``
+says; a lower dtype runs the forward under autocast. This module must not
+touch the backend or engine state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlengine.errors import ConfigurationError, InvalidRequest
+from rlengine.torch_runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
+from rlengine.trainer.losses import elementwise, validate_data
+from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
+
+__all__ = ["TorchTrainer", "build"]
+
+_WEIGHTS_FILE = "model.safetensors"
+_OPTIMIZER_FILE = "optimizer.safetensors"
+_STATE_FORMAT = "rlengine-torch-trainer-1"
+# Files copied next to the saved weights so the state directory loads as a model.
+_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+_OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+class TorchTrainer:
+    """Tinker-style trainer over an HF causal LM; see the module docstring."""
+
+    name = "torch"
+
+    def __init__(self, model_path: str, *, device: torch.device | None = None,
+                 compute_dtype: torch.dtype = torch.float32, max_len: int | None = None,
+                 micro_batch_tokens: int = 8192) -> None:
+        self.threads = configure_threads()
+        self.device = device or torch.device("cpu")
+        self.model_path = model_path
+        self.compute_dtype = compute_dtype
+        self.model = load_causal_lm(model_path, self.device, torch.float32)
+        # Eval mode: no dropout, so a forward is a deterministic function of the
+        # weights (autograd does not care about the mode).
+        self.model.eval()
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.max_len = int(max_len or limit or 0)
+        if self.max_len <= 0:
+            raise ConfigurationError(f"model={model_path!r}: no max_position_embeddings; set max_model_len")
+        self.micro_batch_tokens = micro_batch_tokens
+        self.named_params = dict(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(list(self.named_params.values()), lr=AdamParams().learning_rate)
+
+    # -- forward passes ---------------------------------------------------------------
+
+    def _micro_batches(self, data: list[Datum]) -> list[list[int]]:
+        """Datum indices in order, grouped so that padded tokens stay within budget."""
+        groups: list[list[int]] = []
+        longest = 0
+        for i, datum in enumerate(data):
+            n = datum.model_input.length
+            if groups and max(longest, n) * (len(groups[-1]) + 1) <= self.micro_batch_tokens:
+                groups[-1].append(i)
+                longest = max(longest, n)
+            else:
+                groups.append([i])
+                longest = n
+        return groups
+
+    def _target_logprobs(self, data: list[Datum]) -> torch.Tensor:
+        """``logp`` of every target, datums concatenated in order (float32, with graph)."""
+        lengths = [d.model_input.length for d in data]
+        n = max(lengths)
+        ids = torch.zeros((len(data), n), dtype=torch.long)
+        targets = torch.zeros((len(data), n), dtype=torch.long)
+        for i, d in enumerate(data):
+            ids[i, :lengths[i]] = torch.from_numpy(d.model_input.to_numpy().astype(np.int64))
+            targets[i, :lengths[i]] = torch.from_numpy(d.loss_fn_inputs["target_tokens"].to_numpy().copy())
+        ids, targets = ids.to(self.device), targets.to(self.device)
+        autocast = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+            logits = self.model(input_ids=ids).logits
+        logits = logits.float()
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
+        return torch.cat([logp[i, :lengths[i]] for i in range(len(data))])
+
+    def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, float],
+             backward: bool) -> ForwardBackwardOutput:
+        validate_data(data, loss_fn, None, self.vocab_size, self.max_len)
+        outputs: list[dict[str, TensorData]] = [{} for _ in data]
+        total = 0.0
+        for group in self._micro_batches(data):
+            batch = [data[i] for i in group]
+            with torch.set_grad_enabled(backward):
+                logp = self._target_logprobs(batch)
+            logp_np = logp.detach().cpu().numpy()
+            grads = []
+            offset = 0
+            for i, datum in zip(group, batch):
+                n = datum.model_input.length
+                inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
+                loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, thresholds)
+                total += float(loss.sum())
+                grads.append(dlogp)
+                outputs[i] = {"logprobs": TensorData.from_numpy(logp_np[offset:offset + n]),
+                              "elementwise_loss": TensorData.from_numpy(loss.astype(np.float32))}
+                offset += n
+            if backward:
+                grad = torch.from_numpy(np.concatenate(grads).astype(np.float32)).to(self.device)
+                torch.autograd.backward(logp, grad)
+        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
+                                     metrics={"loss:sum": total})
+
+    def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, float]) -> ForwardBackwardOutput:
+        return self._run(data, loss_fn, thresholds, backward=False)
+
+    def forward_backward(self, data: list[Datum], loss_fn: str,
+                         thresholds: tuple[float, float]) -> ForwardBackwardOutput:
+        return self._run(data, loss_fn, thresholds, backward=True)
+
+    # -- optimizer -------------------------------------------------------------------------
+
+    def optim_step(self, params: AdamParams) -> OptimStepResponse:
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads) if grads else None
+        norm = float(total) if total is not None else 0.0
+        if params.grad_clip_norm > 0 and total is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.named_params.values(), params.grad_clip_norm, total)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return OptimStepResponse(metrics={"grad_norm": norm, "learning_rate": params.learning_rate})
+
+    def sampler_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.detach()) for name, p in self.named_params.items()]
+
+    # -- state -----------------------------------------------------------------------------
+
+    def save_state(self, path: str, include_optimizer: bool = True) -> str:
+        os.makedirs(path, exist_ok=True)
+        weights = {name: p.detach().contiguous().cpu() for name, p in self.named_params.items()}
+        save_file(weights, os.path.join(path, _WEIGHTS_FILE), metadata={"format": "pt"})
+        self.model.config.save_pretrained(path)
+        for name in _MODEL_FILES:
+            src = os.path.join(self.model_path, name)
+            if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
+                shutil.copyfile(src, os.path.join(path, name))
+        if include_optimizer:
+            tensors = {}
+            for name, p in self.named_params.items():
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    tensors[f"{key}/{name}"] = value.detach().contiguous().cpu()
+                if p.grad is not None:
+                    tensors[f"grad/{name}"] = p.grad.detach().contiguous().cpu()
+            save_file(tensors, os.path.join(path, _OPTIMIZER_FILE), metadata={"format": _STATE_FORMAT})
+        return path
+
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        file = os.path.join(path, _WEIGHTS_FILE)
+        if not os.path.isfile(file):
+            raise InvalidRequest("path", path, f"holds no {_WEIGHTS_FILE} (not a saved torch trainer state)")
+        weights = load_file(file)
+        if set(weights) != set(self.named_params):
+            diff = sorted(set(weights) ^ set(self.named_params))
+            raise InvalidRequest("path", path, f"weights do not match this model (differing names: {diff[:5]})")
+        for name, tensor in weights.items():
+            if tensor.shape != self.named_params[name].shape:
+                raise InvalidRequest("path", path, f"{name} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(self.named_params[name].shape)}")
+        return weights
+
+    def _read_optimizer(self, path: str) -> dict[str, torch.Tensor]:
+        file = os.path.join(path, _OPTIMIZER_FILE)
+        if not os.path.isfile(file):
+            raise InvalidRequest("path", path, "was saved without optimizer state (include_optimizer=False)")
+        tensors = load_file(file)
+        for key, tensor in tensors.items():
+            kind, _, name = key.partition("/")
+            param = self.named_params.get(name)
+            if kind not in (*_OPT_KEYS, "grad") or param is None:
+                raise InvalidRequest("path", path, f"optimizer state has unknown entry {key!r}")
+            if kind != "step" and tensor.shape != param.shape:
+                raise InvalidRequest("path", path, f"optimizer entry {key!r} has shape {tuple(tensor.shape)}")
+        return tensors
+
+    def load_state(self, path: str, include_optimizer: bool = True) -> str:
+        """Load weights, and with ``include_optimizer`` the optimizer state and pending
+        gradients; without it the optimizer starts fresh. Everything is checked
+        before anything changes."""
+        weights = self._read_weights(path)
+        opt = self._read_optimizer(path) if include_optimizer else {}
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                self.named_params[name].copy_(tensor)
+        self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        for name, p in self.named_params.items():
+            state = {}
+            for key in _OPT_KEYS:
+                tensor = opt.get(f"{key}/{name}")
+                if tensor is not None:
+                    # AdamW keeps ``step`` as a CPU float tensor; the moments live with the parameter.
+                    state[key] = tensor if key == "step" else tensor.to(p.device)
+            if state:
+                self.optimizer.state[p] = state
+            grad = opt.get(f"grad/{name}")
+            if grad is not None:
+                p.grad = grad.to(p.device)
+        return path
+
+
+def build(config: Any, model_path: str | None) -> TorchTrainer:
+    """Registry entry point (``rlengine.backends.SPECS``); runs on the compute thread."""
+    if model_path is None:
+        raise ConfigurationError("backend='torch' needs a model directory (model='tiny' or a local path)")
+    args = engine_args(config)
+    return TorchTrainer(model_path, device=pick_device(config), compute_dtype=torch_dtype(config),
+                        max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"])
