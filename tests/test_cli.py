@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,16 @@ def test_info_json_lists_backends_with_reasons(capsys):
         entry = data["backends"][name]
         assert isinstance(entry["available"], bool) and entry["why"]
     assert "msgspec" in data["packages"]
+    assert data["extensions"]["trie"] == "c"
+    assert data["auto_backend"]["backend"] in ("vllm", "torch") and data["auto_backend"]["why"]
+
+
+def test_info_reports_the_reference_trie_when_extensions_are_off():
+    env = {**os.environ, "RLENGINE_NO_EXTENSIONS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rlengine.cli", "info", "--json"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["extensions"]["trie"] == "python-reference"
 
 
 def test_info_text(capsys):

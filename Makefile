@@ -1,0 +1,68 @@
+# Makefile: developer shortcuts for the compiled token trie (csrc/trie.c and
+# its binding rlengine/_trie.pyx): build, test, and check memory safety.
+#
+#   make build      editable install, -O3 (what `pip install -e .` does)
+#   make test-trie  the trie and trace store tests
+#   make asan       build with AddressSanitizer + UBSan (and tiny data blocks,
+#                   so small tries cross blocks and compact) into build/asan
+#                   and run the trie tests on it; fails on any ASan/UBSan
+#                   error, and on any leak whose allocation passes through the trie
+#   make valgrind   the trie tests (without the long hypothesis runs) under
+#                   valgrind memcheck on the release build; fails on any error
+#                   or definite leak whose stack passes through the trie
+#
+# Sanitizer builds go to build/, never over the in-place extension, so a
+# failed run cannot leave a sanitized module where the normal one belongs.
+# Python itself leaks at exit, so leak reports are filtered to those with a
+# trie frame (csrc/*.c or the generated rlengine/_trie.c) in their stack.
+
+PYTHON ?= python3
+PY := $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
+TESTS := $(CURDIR)/tests/test_trie.py $(CURDIR)/tests/test_trace.py
+ASAN_DIR := $(CURDIR)/build/asan
+LIBASAN := $(shell gcc -print-file-name=libasan.so)
+# Paragraph mode: one LSan/valgrind report per paragraph; print those with a trie frame.
+TRIE_LEAKS := awk 'BEGIN { RS = "" } /(leak of|definitely lost)/ && /(trie\.c|trie_arena\.c|_trie\.c|rle_(trie|arena)_)/'
+TRIE_ERRORS := awk 'BEGIN { RS = "" } /(Invalid (read|write|free)|uninitialised|Mismatched|overlap)/ && /(trie\.c|trie_arena\.c|_trie\.c|rle_(trie|arena)_)/'
+
+.PHONY: build test-trie asan valgrind clean
+
+build:
+	$(PY) -m pip install -e . --no-build-isolation
+
+test-trie:
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(TESTS)
+
+asan:
+	rm -rf $(ASAN_DIR)
+	RLENGINE_BUILD=asan $(PY) setup.py -q build --build-lib $(ASAN_DIR)/lib --build-temp $(ASAN_DIR)/temp --force
+	# Run from the build directory so its copy of rlengine is the one imported.
+	# The RSS test is left out: ASan's allocator quarantines freed memory.
+	cd $(ASAN_DIR)/lib && \
+	  export LD_PRELOAD=$(LIBASAN) PYTHONPATH=$(ASAN_DIR)/lib PYTHONMALLOC=malloc OMP_NUM_THREADS=1 \
+	    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:exitcode=0:log_path=$(ASAN_DIR)/report \
+	    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 && \
+	  $(PY) -c 'import rlengine._trie as t, sys; sys.exit(0 if t.__file__.startswith("$(ASAN_DIR)") else "not the ASan build: " + t.__file__)' && \
+	  $(PY) -m pytest -q -p no:cacheprovider -k "not rss" $(TESTS)
+	@if ls $(ASAN_DIR)/report.* >/dev/null 2>&1 && grep -l "ERROR: AddressSanitizer\|runtime error" $(ASAN_DIR)/report.*; then \
+	  echo "asan: sanitizer errors, see the reports above"; exit 1; fi
+	@leaks=$$(cat $(ASAN_DIR)/report.* 2>/dev/null | $(TRIE_LEAKS)); \
+	  if [ -n "$$leaks" ]; then echo "$$leaks"; echo "asan: the trie leaks"; exit 1; fi
+	@echo "asan: no sanitizer errors, no leaks through the trie"
+
+valgrind:
+	$(PY) -m pip install -e . --no-build-isolation -q
+	mkdir -p build
+	# No --error-exitcode: CPython and readline report their own errors; the
+	# checks below keep those whose stack passes through the trie.
+	# --track-origins names the allocation an uninitialised value came from,
+	# so a trie-made value read later by CPython still shows a trie frame.
+	PYTHONMALLOC=malloc OMP_NUM_THREADS=1 valgrind --tool=memcheck --leak-check=full \
+	  --show-leak-kinds=definite --track-origins=yes --log-file=build/valgrind.log \
+	  $(PY) -m pytest -q -p no:cacheprovider -k "not Machine and not arbitrary and not export_is_every" $(TESTS)
+	@errors=$$($(TRIE_ERRORS) build/valgrind.log; $(TRIE_LEAKS) build/valgrind.log); \
+	  if [ -n "$$errors" ]; then echo "$$errors"; echo "valgrind: errors or leaks through the trie"; exit 1; fi
+	@echo "valgrind: no errors and no leaks through the trie (build/valgrind.log lists CPython's own)"
+
+clean:
+	rm -rf build rlengine/_trie.c rlengine/_trie.*.so

@@ -1,0 +1,360 @@
+/* trie.c: the radix trie declared in trie.h: walking, inserting,
+ * splitting, exporting and pruning the tree.
+ *
+ * Matching is a memcmp over contiguous token ids (an edge's data is one run
+ * in a block, see trie_arena.c) and splitting an edge is arithmetic on
+ * offsets. A node's first token is cached in its record, so a child scan
+ * stays inside the node array.
+ *
+ * Invariants: the children of a node start with distinct tokens; every
+ * non-root edge is non-empty and lies in one block; edges never share slots.
+ *
+ * This file must not allocate (trie_arena.c does), must not call into
+ * Python, and must leave the trie unchanged when a call fails: capacity is
+ * reserved before anything is linked.
+ */
+
+#include "trie_arena.h"
+
+#include <string.h>
+
+/* Index of the first position where a and b differ, or n. memcmp on the
+ * whole range first: on a hit (the common case: a resent conversation) that
+ * is one call into libc's vectorized compare. */
+static int64_t first_mismatch(const int32_t *a, const int32_t *b, int64_t n)
+{
+    if (memcmp(a, b, (size_t)n * sizeof(int32_t)) == 0)
+        return n;
+    int64_t i = 0;
+    while (n - i >= 16 && memcmp(a + i, b + i, 16 * sizeof(int32_t)) == 0)
+        i += 16;
+    while (a[i] == b[i])
+        i++;
+    return i;
+}
+
+/* Split `c` after `k` tokens. The new record takes the upper part and c's
+ * place among its siblings; c keeps the lower part and its children, so a
+ * handle to the end of c still names the same position. */
+static int32_t split(rle_trie *t, int32_t c, int32_t k)
+{
+    int32_t p = rle_arena_node_alloc(t);
+    node_t *nodes = t->nodes;
+    node_t *up = &nodes[p], *lo = &nodes[c];
+    up->block = lo->block;
+    up->off = lo->off;
+    up->len = k;
+    up->first = lo->first;
+    up->parent = lo->parent;
+    up->kind = lo->kind;
+    up->request_id = lo->request_id;
+    up->child = c;
+    up->sibling = lo->sibling;
+    int32_t *link = &nodes[lo->parent].child;
+    while (*link != c)
+        link = &nodes[*link].sibling;
+    *link = p;
+    lo->off += k;
+    lo->len -= k;
+    lo->first = edge_tokens(t, lo)[0];
+    lo->parent = p;
+    lo->sibling = -1;
+    return p;
+}
+
+static int32_t append_child(rle_trie *t, int32_t parent, const int32_t *tokens, const float *logprobs,
+                            const int32_t *versions, int32_t n, int32_t kind, int64_t request_id)
+{
+    int32_t idx = rle_arena_node_alloc(t);
+    node_t *nodes = t->nodes;
+    node_t *c = &nodes[idx];
+    rle_arena_store(t, c, tokens, logprobs, versions, n);
+    c->parent = parent;
+    c->kind = (uint8_t)kind;
+    c->request_id = request_id;
+    /* Appended last: children stay in creation order, which fixes the
+     * order of exported leaves. */
+    int32_t *link = &nodes[parent].child;
+    while (*link >= 0)
+        link = &nodes[*link].sibling;
+    *link = idx;
+    return idx;
+}
+
+int rle_trie_new_root(rle_trie *t, rle_handle *out)
+{
+    int rc = rle_arena_reserve(t, 0, 1);
+    if (rc != RLE_OK)
+        return rc;
+    int32_t idx = rle_arena_node_alloc(t);
+    t->roots++;
+    *out = handle_of(t, idx);
+    return RLE_OK;
+}
+
+int rle_trie_walk(const rle_trie *t, rle_handle at, const int32_t *tokens, int64_t n, rle_cursor *cur)
+{
+    int32_t node = node_of(t, at);
+    if (node < 0)
+        return RLE_ERR_HANDLE;
+    const node_t *nodes = t->nodes;
+    int32_t offset = nodes[node].len;
+    int64_t i = 0;
+    while (i < n) {
+        int32_t want = tokens[i];
+        int32_t c = nodes[node].child;
+        while (c >= 0 && nodes[c].first != want)
+            c = nodes[c].sibling;
+        if (c < 0)
+            break;
+        const node_t *nc = &nodes[c];
+        int64_t k = first_mismatch(edge_tokens(t, nc), tokens + i, min64(n - i, nc->len));
+        node = c;
+        offset = (int32_t)k;
+        i += k;
+        if (k < nc->len)
+            break;
+    }
+    cur->node = node;
+    cur->offset = offset;
+    cur->matched = i;
+    return RLE_OK;
+}
+
+int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
+                       const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out)
+{
+    int64_t extra = n - cur->matched;
+    if (extra < 0 || extra > INT32_MAX)
+        return RLE_ERR_RANGE;
+    int need_split = cur->offset < t->nodes[cur->node].len;
+    int rc = rle_arena_reserve(t, extra, need_split + (extra > 0));
+    if (rc != RLE_OK)
+        return rc;
+    int32_t at = cur->node;
+    if (need_split)
+        at = split(t, at, cur->offset);
+    if (extra > 0) {
+        int64_t m = cur->matched;
+        at = append_child(t, at, tokens + m, logprobs ? logprobs + m : NULL, versions ? versions + m : NULL,
+                          (int32_t)extra, kind, request_id);
+    }
+    *out = handle_of(t, at);
+    return RLE_OK;
+}
+
+int rle_trie_depth(const rle_trie *t, rle_handle h, int64_t *depth)
+{
+    int32_t n = node_of(t, h);
+    if (n < 0)
+        return RLE_ERR_HANDLE;
+    int64_t d = 0;
+    for (; n >= 0; n = t->nodes[n].parent)
+        d += t->nodes[n].len;
+    *depth = d;
+    return RLE_OK;
+}
+
+int rle_trie_root_of(const rle_trie *t, rle_handle h, rle_handle *root)
+{
+    int32_t n = node_of(t, h);
+    if (n < 0)
+        return RLE_ERR_HANDLE;
+    while (t->nodes[n].parent >= 0)
+        n = t->nodes[n].parent;
+    *root = handle_of(t, n);
+    return RLE_OK;
+}
+
+int rle_trie_parent(const rle_trie *t, rle_handle h, rle_handle *parent)
+{
+    int32_t n = node_of(t, h);
+    if (n < 0)
+        return RLE_ERR_HANDLE;
+    int32_t p = t->nodes[n].parent;
+    *parent = p >= 0 ? handle_of(t, p) : -1;
+    return RLE_OK;
+}
+
+int rle_trie_is_live(const rle_trie *t, rle_handle h) { return node_of(t, h) >= 0; }
+
+int rle_trie_export_path(const rle_trie *t, rle_handle h, int32_t *tokens, float *logprobs, int32_t *versions,
+                         uint8_t *loss_mask)
+{
+    int64_t pos;
+    int rc = rle_trie_depth(t, h, &pos);
+    if (rc != RLE_OK)
+        return rc;
+    /* Filled back to front: the walk goes leaf to root. */
+    for (int32_t n = node_of(t, h); n >= 0; n = t->nodes[n].parent) {
+        const node_t *nd = &t->nodes[n];
+        size_t len = (size_t)nd->len;
+        if (len == 0)
+            continue; /* a root: no data, and maybe no arena to point into */
+        pos -= nd->len;
+        const block_t *blk = &t->blocks[nd->block];
+        if (tokens != NULL)
+            memcpy(tokens + pos, blk->tok + nd->off, len * sizeof(int32_t));
+        if (logprobs != NULL)
+            memcpy(logprobs + pos, blk->lp + nd->off, len * sizeof(float));
+        if (versions != NULL)
+            memcpy(versions + pos, blk->ver + nd->off, len * sizeof(int32_t));
+        if (loss_mask != NULL)
+            memset(loss_mask + pos, nd->kind == RLE_KIND_SAMPLED, len);
+    }
+    return RLE_OK;
+}
+
+int64_t rle_trie_path_segments(const rle_trie *t, rle_handle h, rle_segment *out, int64_t cap)
+{
+    int64_t depth;
+    int rc = rle_trie_depth(t, h, &depth);
+    if (rc != RLE_OK)
+        return rc;
+    int32_t leaf = node_of(t, h);
+    /* Two passes leaf to root: count the runs, then fill them back to front. */
+    int64_t runs = 0;
+    const node_t *prev = NULL;
+    for (int32_t n = leaf; n >= 0; n = t->nodes[n].parent) {
+        const node_t *nd = &t->nodes[n];
+        if (nd->len == 0)
+            continue;
+        if (prev == NULL || nd->kind != prev->kind || nd->request_id != prev->request_id)
+            runs++;
+        prev = nd;
+    }
+    int64_t r = runs, pos = depth;
+    prev = NULL;
+    for (int32_t n = leaf; n >= 0; n = t->nodes[n].parent) {
+        const node_t *nd = &t->nodes[n];
+        if (nd->len == 0)
+            continue;
+        if (prev == NULL || nd->kind != prev->kind || nd->request_id != prev->request_id) {
+            r--;
+            if (r < cap)
+                out[r] = (rle_segment){pos - nd->len, pos, nd->request_id, nd->kind};
+        } else if (r < cap) {
+            out[r].start = pos - nd->len;
+        }
+        pos -= nd->len;
+        prev = nd;
+    }
+    return runs;
+}
+
+int64_t rle_trie_leaves(const rle_trie *t, rle_handle h, rle_handle *out, int64_t cap)
+{
+    int32_t top = node_of(t, h);
+    if (top < 0)
+        return RLE_ERR_HANDLE;
+    const node_t *nodes = t->nodes;
+    if (nodes[top].child < 0) {
+        if (nodes[top].parent < 0)
+            return 0; /* an empty tree has no paths */
+        if (cap > 0)
+            out[0] = h;
+        return 1;
+    }
+    /* Depth first over child/sibling/parent links: no stack to allocate. */
+    int64_t count = 0;
+    int32_t n = top;
+    for (;;) {
+        if (nodes[n].child >= 0) {
+            n = nodes[n].child;
+            continue;
+        }
+        if (count < cap)
+            out[count] = handle_of(t, n);
+        count++;
+        while (n != top && nodes[n].sibling < 0)
+            n = nodes[n].parent;
+        if (n == top)
+            break;
+        n = nodes[n].sibling;
+    }
+    return count;
+}
+
+int64_t rle_trie_prune(rle_trie *t, rle_handle h)
+{
+    int32_t top = node_of(t, h);
+    if (top < 0)
+        return RLE_ERR_HANDLE;
+    node_t *nodes = t->nodes;
+    int32_t parent = nodes[top].parent;
+    if (parent >= 0) {
+        int32_t *link = &nodes[parent].child;
+        while (*link != top)
+            link = &nodes[*link].sibling;
+        *link = nodes[top].sibling;
+    } else {
+        t->roots--;
+    }
+    /* Post-order without a stack: always free a first child, which makes
+     * its next sibling the parent's first child. */
+    int64_t freed = 0;
+    int32_t n = top;
+    for (;;) {
+        if (nodes[n].child >= 0) {
+            n = nodes[n].child;
+            continue;
+        }
+        int32_t up = nodes[n].parent;
+        freed += nodes[n].len;
+        if (n == top) {
+            rle_arena_node_release(t, n);
+            break;
+        }
+        nodes[up].child = nodes[n].sibling;
+        rle_arena_node_release(t, n);
+        n = up;
+    }
+    rle_arena_settle(t);
+    return freed;
+}
+
+/* The checks scan everything with a branch-free reduction first (it
+ * vectorizes), and look for the index only when something is wrong. */
+int64_t rle_check_tokens(const int32_t *tokens, int64_t n)
+{
+    int32_t acc = 0;
+    for (int64_t i = 0; i < n; i++)
+        acc |= tokens[i];
+    if (acc >= 0)
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (tokens[i] < 0)
+            return i;
+    return -1;
+}
+
+int64_t rle_check_logprobs(const float *logprobs, int64_t n)
+{
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad |= !(logprobs[i] <= 0.0f);
+    if (!bad)
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!(logprobs[i] <= 0.0f))
+            return i;
+    return -1;
+}
+
+int64_t rle_check_versions(const int32_t *versions, int64_t n, int32_t kind)
+{
+    int bad = 0;
+    if (kind == RLE_KIND_SAMPLED) {
+        for (int64_t i = 0; i < n; i++)
+            bad |= versions[i] < 0;
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            bad |= versions[i] != -1;
+    }
+    if (!bad)
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (kind == RLE_KIND_SAMPLED ? versions[i] < 0 : versions[i] != -1)
+            return i;
+    return -1;
+}

@@ -1,0 +1,114 @@
+/* trie_arena.h: the trie's internal layout, shared by trie.c (the tree)
+ * and trie_arena.c (the memory under it). Not part of the API: nothing
+ * outside csrc/ may include it, and rlengine/_trie.pxd does not mirror it.
+ *
+ * Edge data (token ids, logprobs, versions) lives in blocks of three
+ * parallel arrays; an edge is a run inside one block, named by (block,
+ * offset). Nodes live in one array of fixed-size records linked by index.
+ */
+
+#ifndef RLE_TRIE_ARENA_H
+#define RLE_TRIE_ARENA_H
+
+#include "trie.h"
+
+#define KIND_FREE 255
+#define GEN_MASK 0x7fffffffu
+#define BLOCK_MAX 1048576 /* token slots in the largest block, unless one edge needs more */
+#define NODES_MIN 64      /* node records in a fresh node array */
+#define BLOCKS_MIN 8      /* entries in a fresh block table */
+/* Overridable at build time: the sanitizer build (make asan) makes them tiny
+ * so the tests' small tries cross blocks and compact all the time. */
+#ifndef RLE_BLOCK_MIN
+#define RLE_BLOCK_MIN 16384 /* token slots in the smallest block (192 KiB) */
+#endif
+#ifndef RLE_COMPACT_MIN
+#define RLE_COMPACT_MIN 65536 /* garbage below this is not worth a pass after a prune */
+#endif
+#define TOKEN_BYTES ((int64_t)(sizeof(int32_t) + sizeof(float) + sizeof(int32_t)))
+
+typedef struct {
+    int32_t *tok;
+    float *lp;
+    int32_t *ver;
+    int64_t cap;  /* token slots; 0 marks an unused table entry */
+    int64_t used; /* slots handed out: live, pruned, or skipped at the end */
+    int64_t live;
+} block_t;
+
+typedef struct {
+    int32_t block;      /* where the edge's data starts: block ... */
+    int32_t off;        /* ... and slot */
+    int64_t request_id; /* of the segment that stored the edge */
+    int32_t len;        /* edge length; 0 only for roots */
+    int32_t first;      /* the edge's first token id */
+    int32_t parent;     /* -1 for roots */
+    int32_t child;      /* first child, -1 if none */
+    int32_t sibling;    /* next sibling; on the free list, the next free record */
+    uint32_t gen;       /* bumped on free so stale handles are refused */
+    uint8_t kind;       /* RLE_KIND_* or KIND_FREE */
+} node_t;
+
+struct rle_trie {
+    block_t *blocks;
+    int32_t nblocks; /* table entries in use, the last one non-empty */
+    int32_t blocks_cap;
+    int32_t cur;        /* the block new edges go to, -1 if none */
+    int64_t arena_cap;  /* token slots over all blocks */
+    int64_t live_tokens;
+    int64_t garbage;    /* handed-out slots no live edge holds */
+
+    node_t *nodes;
+    int32_t node_used; /* records ever handed out since the array was made */
+    int32_t node_cap;
+    int32_t free_head;
+    int32_t free_count;
+    uint32_t gen_floor; /* generation of fresh records; raised when the array is released */
+    int64_t live_nodes;
+    int64_t roots;
+
+    int64_t max_bytes;
+};
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline rle_handle handle_of(const rle_trie *t, int32_t idx)
+{
+    return ((int64_t)t->nodes[idx].gen << 32) | (int64_t)(uint32_t)idx;
+}
+
+static inline int32_t node_of(const rle_trie *t, rle_handle h)
+{
+    if (h < 0)
+        return -1;
+    uint32_t idx = (uint32_t)(h & 0xffffffff);
+    uint32_t gen = (uint32_t)(h >> 32);
+    if (idx >= (uint32_t)t->node_used)
+        return -1;
+    const node_t *n = &t->nodes[idx];
+    if (n->kind == KIND_FREE || n->gen != gen)
+        return -1;
+    return (int32_t)idx;
+}
+
+static inline const int32_t *edge_tokens(const rle_trie *t, const node_t *n)
+{
+    return t->blocks[n->block].tok + n->off;
+}
+
+/* Make room for `tokens` more slots in the current block and `nodes` more
+ * node records, or fail (RLE_ERR_*) having linked nothing. */
+int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes);
+/* A fresh node record, unlinked; rle_arena_reserve came first. */
+int32_t rle_arena_node_alloc(rle_trie *t);
+/* Free a node record and turn its edge's slots into garbage. */
+void rle_arena_node_release(rle_trie *t, int32_t idx);
+/* Copy n tokens (and logprobs, versions; NULL: 0.0, -1) into the current
+ * block and point `into` at them; rle_arena_reserve came first. */
+void rle_arena_store(rle_trie *t, node_t *into, const int32_t *tokens, const float *logprobs, const int32_t *versions,
+                     int32_t n);
+/* After a prune: reclaim garbage and memory as the policy says. */
+void rle_arena_settle(rle_trie *t);
+
+#endif /* RLE_TRIE_ARENA_H */
