@@ -36,8 +36,8 @@ def hf_model(tiny_model):
 
 @pytest.fixture(scope="module")
 def engine(model_cache):
-    # backend="auto" must pick the torch backend when vLLM is absent.
-    with rle.Engine(rle.EngineConfig(model="tiny", backend="auto", cache_dir=model_cache)) as eng:
+    # The torch backend by name: backend="auto" prefers vLLM where it is installed.
+    with rle.Engine(rle.EngineConfig(model="tiny", backend="torch", cache_dir=model_cache)) as eng:
         yield eng
 
 

@@ -40,6 +40,9 @@ SPECS: dict[str, BackendSpec] = {
     "sim": BackendSpec((), None, "rlengine.backends.sim:build", "rlengine.trainer.sim:build"),
     "torch": BackendSpec(("torch", "transformers"), "rlengine.models:prepare", "rlengine.backends.torch_backend:build",
                          "rlengine.trainer.torch_trainer:build"),
+    # vLLM samples; the torch trainer trains (the same model directory).
+    "vllm": BackendSpec(("vllm", "torch", "transformers"), "rlengine.models:prepare",
+                        "rlengine.backends.vllm_backend:build", "rlengine.trainer.torch_trainer:build"),
 }
 # backend="auto" takes the first usable of these, in this order.
 AUTO_ORDER: tuple[str, ...] = ("vllm", "torch")

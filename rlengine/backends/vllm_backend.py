@@ -1,0 +1,208 @@
+"""The vLLM backend: vLLM's ``LLMEngine`` in-process, stepped on the compute thread.
+
+A thin adapter, because the backend protocol is shaped after ``LLMEngine``:
+token ids in (``TokensPrompt``), token ids out, one vLLM request per
+sequence (the engine fans ``num_samples`` out with a seed each), the logprob
+of every sampled token (vLLM's default ``raw_logprobs``: log-softmax of the
+unscaled logits, which is what a trainer forward pass computes), prompt
+logprobs, stop strings and ids, abort. Non-streaming requests use
+``FINAL_ONLY`` so the engine does no per-token work for them.
+
+Weights are installed in-process: ``collective_rpc("reload_weights",
+kwargs={"weights_iterator": ...})`` then ``reset_prefix_cache()`` (cached
+prefixes were computed by the old weights). Sleep mode needs CUDA; on CPU
+``capabilities.sleep`` is False with the reason, never a silent no-op.
+
+vLLM's ``AsyncLLM`` always spawns processes; we drive ``LLMEngine.step()``
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so everything stays in this process.
+This module must not touch engine state; it imports vLLM only when built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.errors import ConfigurationError
+
+__all__ = ["VLLMBackend", "build"]
+
+# CPU defaults measured on a 2-vCPU machine: eager mode (no compile), no
+# dynamo (a 2-14 s compile on the first logprobs request otherwise), and an
+# explicit KV cache size (vLLM's default reserves a fraction of all memory).
+_CPU_KV_CACHE_BYTES = 512 << 20
+
+_live: set[int] = set()
+_live_lock = threading.Lock()
+
+
+def _set_process_defaults(on_cuda: bool) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise ConfigurationError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0: rlengine drives vLLM's engine in this process")
+    if not on_cuda:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+@contextlib.contextmanager
+def _quiet_vllm() -> Iterator[None]:
+    """Silence deprecation warnings that vLLM's own code raises while importing
+    and building (torch API renames it has not caught up with): they are not
+    the user's to fix, and under ``-W error`` they would stop the engine."""
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"vllm(\.|$)")
+        yield
+
+
+class VLLMBackend:
+    """Backend protocol over an in-process ``vllm.LLMEngine``."""
+
+    name = "vllm"
+
+    def __init__(self, engine: Any, on_cuda: bool) -> None:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._engine = engine
+        self._params_cls = VSamplingParams
+        self._prompt_cls = TokensPrompt
+        self._delta, self._final = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+        sleep_ok = on_cuda and bool(engine.vllm_config.model_config.enable_sleep_mode)
+        why = "" if sleep_ok else (
+            "vLLM sleep mode needs CUDA; unsupported on CPU" if not on_cuda
+            else "vLLM was built without enable_sleep_mode=True")
+        self.capabilities = Capabilities(sleep=sleep_ok, prompt_logprobs=True, stop_strings=True,
+                                         weight_install=True, why_not_sleep=why)
+        model_config = engine.model_config
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_model_len = int(model_config.max_model_len)
+        self._asleep = False
+        with _live_lock:
+            _live.add(id(self))
+
+    def add_request(self, request: BackendRequest) -> None:
+        p = request.params
+        stop_strings = list(p.stop_strings)
+        params = self._params_cls(
+            n=1,
+            max_tokens=request.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=0 if p.top_k == -1 else p.top_k,
+            seed=request.seed,
+            stop=stop_strings or None,
+            stop_token_ids=list(p.stop_token_ids) or None,
+            ignore_eos=p.ignore_eos,
+            logprobs=0,
+            prompt_logprobs=0 if request.prompt_logprobs else None,
+            detokenize=bool(stop_strings),
+            output_kind=self._delta if request.stream else self._final,
+        )
+        prompt = self._prompt_cls(prompt_token_ids=memoryview(request.prompt).cast("i").tolist())
+        self._engine.add_request(request.request_id, prompt, params)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids:
+            self._engine.abort_request(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outs = []
+        for ro in self._engine.step():
+            completion = ro.outputs[0]
+            tokens = list(completion.token_ids)
+            # One {token_id: Logprob} dict per sampled token; the sampled one is always in it.
+            logprobs = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs or ())]
+            out = RequestOutput(ro.request_id, tokens, logprobs)
+            if ro.prompt_logprobs is not None and ro.prompt_token_ids is not None:
+                out.prompt_logprobs = [lp[t].logprob for t, lp in
+                                       zip(ro.prompt_token_ids[1:], ro.prompt_logprobs[1:])]
+            if ro.finished:
+                out.finished = True
+                reason = completion.finish_reason
+                if reason not in ("length", "stop"):
+                    out.error = f"vLLM finished the request with finish_reason={reason!r}"
+                out.stop_reason = "length" if reason == "length" else "stop"
+            outs.append(out)
+        return outs
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        if self._asleep:
+            self._engine.wake_up(tags=["weights"])
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        # Cached prefixes hold KV computed by the old weights.
+        self._engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.capabilities.sleep:
+            raise RuntimeError(f"vLLM backend cannot sleep here: {self.capabilities.why_not_sleep}")
+        if not self._asleep or level >= 2:
+            self._engine.sleep(level=level)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._engine.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        with _live_lock:
+            _live.discard(id(self))
+            last = not _live
+        # vLLM keeps process-wide state (its distributed groups) that shutting
+        # one engine down destroys for every engine in the process, and its
+        # in-process client shuts down when garbage-collected: only the last
+        # live in-process vLLM backend may shut down; the others detach that
+        # finalizer and are freed as ordinary objects.
+        if last:
+            engine.engine_core.shutdown()
+        else:
+            finalizer = getattr(engine.engine_core, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+
+
+def build(config: Any, model_path: str | None) -> VLLMBackend:
+    """Registry entry point: an in-process ``LLMEngine`` over ``model_path``."""
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    _set_process_defaults(on_cuda)
+    with _quiet_vllm():
+        from vllm import EngineArgs, LLMEngine
+
+    args: dict[str, Any] = {
+        "model": model_path,
+        "dtype": config.dtype,
+        "seed": config.seed,
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": not on_cuda,
+        "served_model_name": config.model_name or model_path,
+    }
+    if config.max_model_len is not None:
+        args["max_model_len"] = config.max_model_len
+    if on_cuda:
+        args["enable_sleep_mode"] = True
+    else:
+        args["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
+    args.update(config.engine_args)
+    try:
+        with _quiet_vllm():
+            engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    except TypeError as exc:
+        raise ConfigurationError(f"engine_args={dict(config.engine_args)!r}: not accepted by vLLM ({exc})") from exc
+    return VLLMBackend(engine, on_cuda)
