@@ -46,6 +46,8 @@ log = logging.getLogger("rlengine")
 
 _SEED_MASK = (1 << 63) - 1
 _I32 = struct.Struct("<i")
+# Upper bound on backend steps per compute-thread job (see ``_step_job``).
+_STEPS_PER_JOB = 64
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -132,7 +134,9 @@ class SamplerLoop:
         self._wave_hold: list[tuple[SampleItem, SampleResponse]] = []
         self._running_blocking: BlockingItem | None = None
         self._wake = asyncio.Event()
-        scheduler.on_drained = self._wake.set
+        self._interrupt = False
+        """Set on the loop when new work arrives; read by the compute thread between steps."""
+        scheduler.on_drained = self._signal
         self._stopping = False
         self.dead: EngineDeadError | None = None
         self.asleep = False
@@ -142,6 +146,11 @@ class SamplerLoop:
 
     # -- intake (loop thread) --------------------------------------------------
 
+    def _signal(self) -> None:
+        """New work or a state change: wake the loop and end any step run."""
+        self._interrupt = True
+        self._wake.set()
+
     def enqueue(self, item: Item) -> None:
         if self.dead is not None:
             item.future.set_exception(self.dead)
@@ -150,7 +159,7 @@ class SamplerLoop:
             item.future.set_exception(EngineClosed(f"request {item.request_id}: the engine is closing"))
             return
         self.sched.submit(item)
-        self._wake.set()
+        self._signal()
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; it settles as aborted exactly once."""
@@ -161,7 +170,7 @@ class SamplerLoop:
         sample = self._items.get(request_id)
         if sample is not None:
             self._abort_sample(sample)
-            self._wake.set()
+            self._signal()
 
     def _settle_unstarted(self, item: Item, exc: BaseException) -> None:
         if isinstance(item, SampleItem):
@@ -218,8 +227,14 @@ class SamplerLoop:
     # -- stepping -------------------------------------------------------------------
 
     def _step_job(self, adds: list[BackendRequest], aborts: list[str], step: bool) -> tuple[
-            list[tuple[str, BaseException]], list[RequestOutput]]:
-        """Runs on the compute thread: the only place backend requests change."""
+            list[tuple[str, BaseException]], list[RequestOutput], int]:
+        """Runs on the compute thread: the only place backend requests change.
+
+        Steps until some request reports (finishes, or streams a token), new
+        work arrives (``_interrupt``), or ``_STEPS_PER_JOB`` steps ran: with
+        non-streaming requests most steps report nothing, and going back to
+        the loop after each would cost a thread round trip per step.
+        """
         backend = self.backend
         rejected = []
         if aborts:
@@ -229,16 +244,25 @@ class SamplerLoop:
                 backend.add_request(req)
             except Exception as exc:  # noqa: BLE001 - a per-request rejection, settled by the loop
                 rejected.append((req.request_id, exc))
-        outs = backend.step() if step and backend.has_unfinished_requests() else []
-        return rejected, outs
+        outs: list[RequestOutput] = []
+        steps = 0
+        while step and backend.has_unfinished_requests():
+            outs = backend.step()
+            steps += 1
+            if outs or self._interrupt or steps >= _STEPS_PER_JOB:
+                break
+        return rejected, outs, steps
 
     async def _run_step(self, step: bool = True) -> None:
         adds, self._to_add = self._to_add, []
         aborts, self._to_abort = self._to_abort, []
         version = self.sched.version
-        rejected, outs = await self.compute.submit(asyncio.get_running_loop(), self._step_job, adds, aborts, step)
-        if step:
-            self.steps += 1
+        # Cleared before the job starts: anything enqueued from now on stops
+        # its step run, so new work waits at most one backend step.
+        self._interrupt = False
+        rejected, outs, steps = await self.compute.submit(
+            asyncio.get_running_loop(), self._step_job, adds, aborts, step)
+        self.steps += steps
         for backend_id, exc in rejected:
             seq = self._seqs.get(backend_id)
             if seq is not None:
@@ -430,7 +454,7 @@ class SamplerLoop:
             self.die(EngineDeadError(f"engine died: {exc!r}"), cause=exc)
 
     def kick(self) -> None:
-        self._wake.set()
+        self._signal()
 
     def stop(self) -> None:
         """Begin shutdown: refuse new work, abort queued and in-flight requests."""
@@ -443,7 +467,7 @@ class SamplerLoop:
         for item in list(self._items.values()):
             self._abort_sample(item)
         self._flush_wave()
-        self._wake.set()
+        self._signal()
 
     def _flush_wave(self) -> None:
         held, self._wave_hold = self._wave_hold, []
@@ -470,7 +494,7 @@ class SamplerLoop:
         self._paused.clear()
         if self._running_blocking is not None:
             self._running_blocking.future.set_exception(error)
-        self._wake.set()
+        self._signal()
 
     @property
     def busy(self) -> bool:

