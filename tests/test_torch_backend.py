@@ -8,6 +8,9 @@ change what a request generates), and the tokenizer (stop strings).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -491,18 +494,23 @@ def test_bad_configuration_fails_engine_start(model_cache, overrides, match):
 
 @pytest.mark.parametrize("env, expected", [({}, 1), ({"RLENGINE_TORCH_THREADS": "2"}, 2),
                                            ({"OMP_NUM_THREADS": "1"}, None)])
-def test_thread_default_and_overrides(monkeypatch, env, expected):
-    monkeypatch.delenv("RLENGINE_TORCH_THREADS", raising=False)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("rlengine.torch_runtime.usable_cpus", lambda: 2)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    got: list[tuple[int, int]] = []
-    # The setting is per thread (OpenMP): check it on a fresh thread, like the compute thread.
-    thread = threading.Thread(target=lambda: got.append((torch.get_num_threads(), configure_threads())))
-    thread.start()
-    thread.join()
-    before, after = got[0]
+def test_thread_default_and_overrides(env, expected):
+    # In a fresh process: once a vLLM CPU engine has run in this one, vLLM has
+    # replaced torch.set_num_threads with a no-op (it pins its own threads).
+    code = (
+        "import threading, torch, rlengine.torch_runtime as rt\n"
+        "rt.usable_cpus = lambda: 2\n"
+        "got = []\n"
+        # The setting is per thread (OpenMP): check it on a fresh thread, like the compute thread.
+        "t = threading.Thread(target=lambda: got.append((torch.get_num_threads(), rt.configure_threads())))\n"
+        "t.start(); t.join()\n"
+        "print(*got[0])\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("RLENGINE_TORCH_THREADS", "OMP_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, after = map(int, proc.stdout.split())
     assert after == (before if expected is None else expected)
 
 
