@@ -8,7 +8,9 @@ bf16) and measures, through the Engine:
 * mean turn latency of 64 agents x 4 turns with heavy-tailed (lognormal)
   turn lengths, continuous sampling vs batch waves;
 * one forward_backward (16 x 512 tokens, importance_sampling) + optim_step;
-* a weight install (trainer -> sampler, in-process), per MB.
+* a weight install (trainer -> sampler, in-process), per MB;
+* then the same through the vLLM backend, plus sleep/wake times, whenever
+  vLLM is importable (the JSON says plainly when it is not).
 
 Writes one JSON file of figures. ``--quick`` shrinks everything (tiny model,
 few requests) so the script's logic can be checked on a CPU. It never
@@ -144,9 +146,9 @@ def train_step(engine: rle.Engine, batch: int, seq_len: int) -> dict[str, Any]:
 
 def weight_install(engine: rle.Engine) -> dict[str, Any]:
     client = engine.training_client()
-    # What lands in the sampler: its own copy, in its dtype (the trainer's float32 is converted on the way).
-    mb = sum(p.numel() * p.element_size() for p in engine.backend.model.parameters()) / 2**20
     client.save_weights_for_sampler().result(600)
+    # What goes into the sampler: the trainer's named tensors (converted to the sampler's dtype on the way).
+    mb = sum(t.numel() * t.element_size() for _, t in engine._build_trainer().sampler_weights()) / 2**20
     times = []
     for _ in range(3):
         _sync()
@@ -156,6 +158,48 @@ def weight_install(engine: rle.Engine) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     return {"sampler_weights_mb": mb, "install_s": t, "install_ms_per_mb": t * 1e3 / mb}
+
+
+def sleep_wake(engine: rle.Engine) -> dict[str, Any]:
+    """vLLM sleep mode around a (no-op) blocking item: what colocation costs per training call."""
+    backend = engine.backend
+    if not backend.capabilities.sleep:
+        return {"supported": False, "why": backend.capabilities.why_not_sleep}
+    times = []
+    for _ in range(3):
+        _sync()
+        t0 = time.perf_counter()
+        engine.submit_blocking("forward", lambda: None).result(600)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return {"supported": True, "blocking_item_with_sleep_and_wake_s": statistics.median(times),
+            **backend.describe()}
+
+
+def vllm_figures(path: str, spec: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """The same measurements through the vLLM backend, plus sleep and wake times."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"run": False, "why": "vLLM is not importable on this machine"}
+    out: dict[str, Any] = {"run": True}
+    config = rle.EngineConfig(model=path, backend="vllm", dtype=spec["dtype"], max_num_seqs=64)
+    t0 = time.perf_counter()
+    with rle.Engine(config) as engine:
+        out["engine_start_s"] = time.perf_counter() - t0
+        steps = [
+            ("generation", lambda: generation_throughput(engine, 64 if not quick else 8, 128, 256 if not quick else 16)),
+            ("train_step", lambda: train_step(engine, 16 if not quick else 2, 512 if not quick else 32)),
+            ("weight_install", lambda: weight_install(engine)),
+            ("sleep_wake", lambda: sleep_wake(engine)),
+        ]
+        for name, step in steps:
+            t0 = time.perf_counter()
+            out[name] = step()
+            print(f"vllm {name}: {out[name]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    out["continuous_vs_wave"] = continuous_vs_wave(config, 64 if not quick else 8, 4 if not quick else 2,
+                                                   32 if not quick else 4, 512 if not quick else 32)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
                                                            else 2, 32 if not args.quick else 4,
                                                            512 if not args.quick else 32)
         print(f"continuous_vs_wave: {figures['continuous_vs_wave']} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            figures["vllm"] = vllm_figures(path, spec, args.quick)
+        except Exception as exc:  # noqa: BLE001 - report it and keep the torch figures
+            figures["vllm"] = {"run": False, "why": f"failed: {exc!r}"}
+        print(f"vllm: {'ran' if figures['vllm']['run'] else figures['vllm']['why']}", flush=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(figures, f, indent=2, default=str)
     print(f"wrote {args.out}")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the torch backend and trainer: one command, no network, under 8 minutes.
+# GPU check of the torch backend and trainer (and of the vLLM backend when vLLM is
+# importable there): one command, no network, under 8 minutes.
 #
 #   bash bench/gpu_check.sh [OUT_JSON [gpu_check.py options]]
 #

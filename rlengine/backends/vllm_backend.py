@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -85,6 +86,8 @@ class VLLMBackend:
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
         self._asleep = False
+        self.last_sleep_s: float | None = None
+        self.last_wake_s: float | None = None
         with _live_lock:
             _live.add(id(self))
 
@@ -148,13 +151,22 @@ class VLLMBackend:
         if not self.capabilities.sleep:
             raise RuntimeError(f"vLLM backend cannot sleep here: {self.capabilities.why_not_sleep}")
         if not self._asleep or level >= 2:
+            t0 = time.perf_counter()
             self._engine.sleep(level=level)
+            self.last_sleep_s = time.perf_counter() - t0
         self._asleep = True
 
     def wake_up(self) -> None:
         if self._asleep:
+            t0 = time.perf_counter()
             self._engine.wake_up()
+            self.last_wake_s = time.perf_counter() - t0
             self._asleep = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "sleep": self.capabilities.sleep, "why_not_sleep": self.capabilities.why_not_sleep,
+                "last_sleep_s": self.last_sleep_s, "last_wake_s": self.last_wake_s,
+                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len}
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
