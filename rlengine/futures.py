@@ -91,7 +91,11 @@ class RequestFuture(Generic[T]):
         """
         self._wait(timeout)
         if self._state == _FAILED:
-            raise self._value
+            exc = self._value
+            # Keep this frame (which the traceback will hold) from referring
+            # to the future that holds the exception: no cycle to collect.
+            del self
+            raise exc
         return self._value
 
     def _wait(self, timeout: float | None) -> None:
