@@ -78,6 +78,7 @@ class RequestOutput:
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
+        """New token ids: a list, or an array('i') (anything ``array('i', ...)`` takes)."""
         self.logprobs = logprobs
         self.finished = finished
         self.stop_reason = stop_reason

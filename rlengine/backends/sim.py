@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 import random
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
@@ -52,25 +54,32 @@ def _log_softmax(theta: np.ndarray) -> np.ndarray:
     return (t - m - math.log(np.exp(t - m).sum())).astype(np.float32)
 
 
-class _SimSeq:
-    __slots__ = ("rid", "seed", "pos", "end", "limit", "greedy", "stop_ids", "stop_strings", "text",
-                 "prompt", "want_prompt_lp", "stream", "tokens", "logprobs")
+class _SimSeq(msgspec.Struct, gc=False):
+    """One simulated sequence. Untracked, with its tokens in arrays (which the
+    cyclic collector never scans): the sim should cost the collector as
+    little as a real engine's C-side state does."""
 
-    def __init__(self, req: BackendRequest, gen_len: int) -> None:
-        self.rid = req.request_id
-        self.seed = req.seed
-        self.pos = 0
-        self.limit = req.max_tokens
-        self.end = min(gen_len, req.max_tokens)
-        self.greedy = req.params.temperature == 0.0
-        self.stop_ids = frozenset(req.params.stop_token_ids)
-        self.stop_strings = req.params.stop_strings
-        self.text = ""
-        self.prompt = req.prompt
-        self.want_prompt_lp = req.prompt_logprobs
-        self.stream = req.stream
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
+    rid: str
+    seed: int
+    limit: int
+    end: int
+    greedy: bool
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    prompt: bytes
+    want_prompt_lp: bool
+    stream: bool
+    pos: int = 0
+    text: str = ""
+    tokens: array | None = None
+    logprobs: array | None = None
+
+    @classmethod
+    def of(cls, req: BackendRequest, gen_len: int) -> _SimSeq:
+        p = req.params
+        return cls(req.request_id, req.seed, req.max_tokens, min(gen_len, req.max_tokens), p.temperature == 0.0,
+                   frozenset(p.stop_token_ids), p.stop_strings, req.prompt, req.prompt_logprobs, req.stream,
+                   tokens=array("i"), logprobs=array("f"))
 
 
 class SimBackend:
@@ -113,7 +122,7 @@ class SimBackend:
         rid = request.request_id
         if rid in self._running or rid in self._waiting:
             raise ValueError(f"request_id={rid!r}: already in the sim backend")
-        self._waiting[rid] = _SimSeq(request, self._gen_len(request.seed))
+        self._waiting[rid] = _SimSeq.of(request, self._gen_len(request.seed))
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -154,7 +163,7 @@ class SimBackend:
             if not (seq.stream or finished):
                 continue
             out = RequestOutput(seq.rid, seq.tokens, seq.logprobs)
-            seq.tokens, seq.logprobs = [], []
+            seq.tokens, seq.logprobs = array("i"), array("f")
             if seq.want_prompt_lp:
                 seq.want_prompt_lp = False
                 prompt = np.frombuffer(seq.prompt, dtype=np.int32)[1:]
