@@ -11,42 +11,42 @@ The public API, with Tinker-compatible names::
 Importing this package never imports torch or vLLM.
 """
 
-from rlengine.clients import SamplingClient, TrainingClient
-from rlengine.config import EngineConfig, SimConfig
-from rlengine.engine import Engine
-from rlengine.errors import (
-    BackendRequestError,
-    ConfigurationError,
-    DrainTimeout,
-    EngineClosed,
-    EngineDeadError,
-    GateError,
-    GatePoisoned,
-    InvalidRequest,
-    ModelNotLoaded,
-    RequestAborted,
-    RequestError,
-    RequestTimeout,
-    RLEngineError,
-)
-from rlengine.futures import RequestFuture
-from rlengine.scheduler import Lease
-from rlengine.types import (
-    AdamParams,
-    Datum,
-    ForwardBackwardOutput,
-    LoadWeightsResponse,
-    ModelInput,
-    OptimStepResponse,
-    Receipt,
-    SampledSequence,
-    SampleResponse,
-    SamplingParams,
-    SaveWeightsForSamplerResponse,
-    SaveWeightsResponse,
-    TensorData,
-    UnloadModelResponse,
-)
+from typing import Any
+
+# Names load on first use (PEP 562), so that importing a light submodule
+# (``rlengine.client`` and ``rlengine.protocol`` in a sandbox, which need
+# only msgspec and the standard library) does not import the engine and numpy.
+_EXPORTS: dict[str, str] = {
+    "SamplingClient": "rlengine.clients", "TrainingClient": "rlengine.clients",
+    "EngineConfig": "rlengine.config", "SimConfig": "rlengine.config",
+    "Engine": "rlengine.engine",
+    "RequestFuture": "rlengine.futures",
+    "Lease": "rlengine.scheduler",
+    **{name: "rlengine.errors" for name in (
+        "BackendRequestError", "ConfigurationError", "DrainTimeout", "EngineClosed", "EngineDeadError",
+        "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "RequestAborted", "RequestError",
+        "RequestTimeout", "RLEngineError")},
+    **{name: "rlengine.types" for name in (
+        "AdamParams", "Datum", "ForwardBackwardOutput", "LoadWeightsResponse", "ModelInput", "OptimStepResponse",
+        "Receipt", "SampledSequence", "SampleResponse", "SamplingParams", "SaveWeightsForSamplerResponse",
+        "SaveWeightsResponse", "TensorData", "UnloadModelResponse")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlengine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""The ``rlengine`` command: ``info`` and ``bench``.
+"""The ``rlengine`` command: ``info``, ``bench`` and ``train``.
 
 ``info`` says what is installed and which backends and extensions can run
 here, and why not. ``bench`` runs the control-plane benchmarks and prints a
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_bench = sub.add_parser("bench", help="run the control-plane benchmarks and print a table")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    from rlengine.rl import cli as train_cli
+
+    train_cli.add_parser(sub)
     args = parser.parse_args(argv)
     # One intra-op thread unless the user says otherwise: on small machines
     # two threads were measured 15-30x slower for torch and vLLM on CPU.
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(data)
         return 0
+    if args.command == "train":
+        return train_cli.run(args)
     return bench(args.json)
 
 

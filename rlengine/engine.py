@@ -368,10 +368,14 @@ class Engine:
 
     def sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None, *,
                version: int | None = None, session_id: str | None = None,
-               include_prompt_logprobs: bool = False) -> RequestFuture[SampleResponse]:
+               include_prompt_logprobs: bool = False,
+               on_tokens: Callable[[int, list[int], list[float], int], None] | None = None,
+               ) -> RequestFuture[SampleResponse]:
         """Queue one sample call; thread-safe. Its future completes when its own
         ``num_samples`` generations complete. ``version`` pins a sampler version
-        (None: whatever is loaded at admission)."""
+        (None: whatever is loaded at admission). ``on_tokens(index, token_ids,
+        logprobs, version)`` streams: it is called on the loop thread with each
+        sequence's new tokens as they are produced (keep it short)."""
         raw = self._prompt_bytes(prompt)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise InvalidRequest("num_samples", num_samples, "must be an integer >= 1")
@@ -383,7 +387,7 @@ class Engine:
         rid = self._new_id("s")
         future: RequestFuture[SampleResponse] = RequestFuture(rid, self._abort_cb)
         return self._submit(SampleItem(rid, raw, params, num_samples, version, session_id,
-                                       include_prompt_logprobs, future))
+                                       include_prompt_logprobs, future, on_tokens=on_tokens))
 
     def lease(self, session_id: str | None = None, version: int | None = None) -> RequestFuture[Lease]:
         """Queue for an external lease (a session turn driven outside the engine).
@@ -463,6 +467,15 @@ class Engine:
         else:
             self._call_soon(call)
         return future
+
+    def abandon(self, request_id: str, reason: str) -> RequestFuture[int | None]:
+        """Abort a sample whose client went away mid-generation: its outcome is
+        unknown, so its lease (if admitted) stays unknown and poisons the gate
+        until ``write_off``. Resolves to that lease id, or None if the request
+        had not started or had already settled (then nothing is poisoned)."""
+        if self._sampler is None:
+            raise RLEngineError("the engine is not started")
+        return self.call_on_loop(self._sampler.abandon, request_id, reason)
 
     def write_off(self, lease_id: int) -> RequestFuture[Any]:
         """Give up on a lease with an unknown outcome (un-poisons the gate for it)."""

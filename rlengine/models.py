@@ -7,6 +7,12 @@ with a hand-written ChatML template, and saves both with ``save_pretrained``
 so that ``AutoModelForCausalLM.from_pretrained(path)`` and
 ``AutoTokenizer.from_pretrained(path)`` (or vLLM) load it offline.
 
+``build_char_model`` builds the same architecture over a character
+vocabulary of a dozen tokens (the built-in RL demo: a small vocabulary makes
+the first rewarded sample common enough for RL from random init);
+``prepare_char_model`` builds it once into the cache and returns its
+directory, which ``EngineConfig(model=...)`` takes like any local model.
+
 ``prepare(config)`` resolves ``EngineConfig.model`` to a directory: ``"tiny"``
 is built once into a cache directory keyed by its build parameters (built in
 a temporary directory and renamed into place, so concurrent builders never
@@ -32,8 +38,8 @@ from typing import Any
 
 from rlengine.errors import ConfigurationError, InvalidRequest
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_DEFAULTS", "build_tiny", "cache_root", "load_tokenizer",
-           "prepare", "render_chat", "tiny_dir_name"]
+__all__ = ["CHAR_DEFAULTS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_DEFAULTS", "build_char_model", "build_tiny",
+           "cache_root", "load_tokenizer", "prepare", "prepare_char_model", "render_chat", "tiny_dir_name"]
 
 # The special tokens of the tiny tokenizer, with ids 0, 1, 2 (Qwen's names:
 # vLLM and chat tooling recognise them).
@@ -250,21 +256,25 @@ def cache_root(config: Any = None) -> str:
 
 
 def _build_cached(root: str, **params: Any) -> str:
-    """Build once per parameter set; concurrent builders race harmlessly.
+    """Build the tiny model once per parameter set; concurrent builders race harmlessly."""
+    return _build_once(root, tiny_dir_name(**params), lambda path: build_tiny(path, **params))
+
+
+def _build_once(root: str, name: str, build: Any) -> str:
+    """``build(path)`` into ``root/models/name`` unless it is there already.
 
     Each builder writes a private temporary directory next to the target and
     renames it into place; ``rename`` is atomic, so the target either does not
     exist or is complete. A loser of the race discards its copy.
     """
     models_dir = os.path.join(root, "models")
-    final = os.path.join(models_dir, tiny_dir_name(**params))
+    final = os.path.join(models_dir, name)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final
     os.makedirs(models_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".build-{os.path.basename(final)}-{os.getpid()}-{uuid.uuid4().hex[:8]}-",
-                           dir=models_dir)
+    tmp = tempfile.mkdtemp(prefix=f".build-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}-", dir=models_dir)
     try:
-        build_tiny(tmp, **params)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -273,6 +283,79 @@ def _build_cached(root: str, **params: Any) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# -- the character-level model of the RL demo -------------------------------------------
+
+CHAR_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 2,
+    "intermediate_size": 256,
+    "max_position_embeddings": 64,
+    "init_std": 0.02,
+    "seed": 0,
+}
+_CHAR_PAD = "<|endoftext|>"
+
+
+def build_char_model(path: str, alphabet: str, end: str, **params: Any) -> str:
+    """A random-init Qwen2 causal LM whose tokens are the characters of ``alphabet``.
+
+    Token 0 is ``<|endoftext|>`` (padding, and what unknown characters map
+    to); ``alphabet[i]`` is token ``i + 1``; ``end`` (a character of
+    ``alphabet``) is the model's end-of-sequence token, so the engine stops a
+    generation there. ``init_std`` 0.02 keeps the first distributions near
+    uniform, which is what exploration from random init needs. Parameters
+    (``CHAR_DEFAULTS``) as in ``build_tiny``; the same arguments give the same files.
+    """
+    unknown = sorted(set(params) - set(CHAR_DEFAULTS))
+    if unknown:
+        raise ConfigurationError(f"build_char_model: unknown parameter(s) {unknown}; known: {sorted(CHAR_DEFAULTS)}")
+    args = {**CHAR_DEFAULTS, **params}
+    if not isinstance(alphabet, str) or len(set(alphabet)) != len(alphabet) or not alphabet:
+        raise ConfigurationError(f"alphabet={alphabet!r}: must be a non-empty string of distinct characters")
+    if len(end) != 1 or end not in alphabet:
+        raise ConfigurationError(f"end={end!r}: must be one character of alphabet={alphabet!r}")
+    _check_build_args({**TINY_DEFAULTS, **args, "num_kv_heads": args["num_heads"], "vocab_size": 300})
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {tok: i for i, tok in enumerate([_CHAR_PAD, *alphabet])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=_CHAR_PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=end, pad_token=_CHAR_PAD,
+                                        model_max_length=args["max_position_embeddings"])
+    eos, pad = vocab[end], vocab[_CHAR_PAD]
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=args["hidden_size"], intermediate_size=args["intermediate_size"],
+        num_hidden_layers=args["num_layers"], num_attention_heads=args["num_heads"],
+        num_key_value_heads=args["num_heads"], max_position_embeddings=args["max_position_embeddings"],
+        tie_word_embeddings=False, initializer_range=float(args["init_std"]), rope_theta=10000.0,
+        use_sliding_window=False, bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args["seed"])
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "rlengine_build.json"), "w", encoding="utf-8") as f:
+        json.dump({"builder": "rlengine.models.build_char_model", "format": _BUILD_FORMAT,
+                   "params": {**args, "alphabet": alphabet, "end": end}}, f, indent=2, sort_keys=True)
+    return path
+
+
+def prepare_char_model(alphabet: str, end: str, cache_dir: str | None = None, **params: Any) -> str:
+    """The directory of ``build_char_model(alphabet, end, **params)``, built once into the cache."""
+    key = json.dumps({"format": _BUILD_FORMAT, "alphabet": alphabet, "end": end, **CHAR_DEFAULTS, **params},
+                     sort_keys=True)
+    name = f"char-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    root = cache_root(None) if cache_dir is None else os.path.abspath(cache_dir)
+    return _build_once(root, name, lambda path: build_char_model(path, alphabet, end, **params))
 
 
 def prepare(config: Any) -> str:

@@ -143,6 +143,8 @@ class SamplerLoop:
         self.steps = 0
         self.admitted = 0
         self.blocking_runs = 0
+        self.busy_s = 0.0
+        """Seconds spent running backend steps (the RL loop derives the sampler's idle share)."""
 
     # -- intake (loop thread) --------------------------------------------------
 
@@ -171,6 +173,25 @@ class SamplerLoop:
         if sample is not None:
             self._abort_sample(sample)
             self._signal()
+
+    def abandon(self, request_id: str, reason: str) -> int | None:
+        """Abort a request whose outcome its client can no longer learn.
+
+        Admitted: its lease is marked unknown (poisoning the gate until
+        written off) and its sequences are aborted in the same loop callback,
+        so no blocking work can start while they still run in the backend.
+        Returns that lease's id; None when the request had not started (it
+        is simply aborted: nothing ran) or has already settled.
+        """
+        item = self._items.get(request_id)
+        if item is None or item.lease is None or item.lease.state not in ("active", "paused"):
+            self.abort(request_id)
+            return None
+        lease = item.lease
+        lease.mark_unknown(reason)
+        self._abort_sample(item)
+        self._signal()
+        return lease.lease_id
 
     def _settle_unstarted(self, item: Item, exc: BaseException) -> None:
         if isinstance(item, SampleItem):
@@ -222,7 +243,7 @@ class SamplerLoop:
         return BackendRequest(request_id=seq.backend_id, prompt=prompt, params=item.params, seed=seed,
                               max_tokens=max(1, min(want - seq.length, room)),
                               prompt_logprobs=item.prompt_logprobs and seq.index == 0 and not seq.length,
-                              stream=self._stream)
+                              stream=self._stream or item.on_tokens is not None)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -260,8 +281,10 @@ class SamplerLoop:
         # Cleared before the job starts: anything enqueued from now on stops
         # its step run, so new work waits at most one backend step.
         self._interrupt = False
+        started = time.perf_counter()
         rejected, outs, steps = await self.compute.submit(
             asyncio.get_running_loop(), self._step_job, adds, aborts, step)
+        self.busy_s += time.perf_counter() - started
         self.steps += steps
         for backend_id, exc in rejected:
             seq = self._seqs.get(backend_id)
@@ -281,6 +304,8 @@ class SamplerLoop:
                 continue
             if out.token_ids:
                 seq.add(out.token_ids, out.logprobs, version)
+                if seq.item.on_tokens is not None:
+                    self._deliver(seq, out, version)
             if out.prompt_logprobs is not None:
                 seq.item.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
             if out.error is not None:
@@ -295,15 +320,24 @@ class SamplerLoop:
                     self._items.pop(item.request_id, None)
                     self._complete(item, aborted=False)
 
+    def _deliver(self, seq: _Seq, out: RequestOutput, version: int) -> None:
+        try:
+            seq.item.on_tokens(seq.index, out.token_ids, out.logprobs, version)
+        except Exception:  # noqa: BLE001 - a consumer's bug must not kill the sampler
+            log.exception("rlengine: on_tokens callback of request %s failed; streaming stops",
+                          seq.item.request_id)
+            seq.item.on_tokens = None
+
     def _complete(self, item: SampleItem, aborted: bool) -> None:
         seqs = item.seqs or ()
         response = SampleResponse(
             sequences=[s.to_sequence(s.stop_reason or "abort") for s in seqs],
             request_id=item.request_id,
             prompt_logprobs_raw=item.prompt_logprobs_raw)
-        if item.lease is not None:
+        if item.lease is not None and item.lease.state != "unknown":
             # The lease already knows its versions: the one at admission and
-            # any it was resumed on after a pause.
+            # any it was resumed on after a pause. An abandoned request's lease
+            # stays unknown (see ``abandon``).
             item.lease.settle("aborted" if aborted else "completed")
         if not self.sched.continuous and not aborted:
             self._wave_hold.append((item, response))
@@ -320,7 +354,7 @@ class SamplerLoop:
         if item.lease is not None:
             if unknown:
                 item.lease.mark_unknown(str(exc))
-            else:
+            elif item.lease.state != "unknown":
                 item.lease.settle("failed")
         item.future.set_exception(exc)
 
@@ -502,7 +536,8 @@ class SamplerLoop:
 
     def describe(self) -> dict[str, Any]:
         return {"in_flight_sequences": len(self._seqs), "queued": len(self.sched),
-                "steps": self.steps, "admitted": self.admitted, "blocking_runs": self.blocking_runs,
+                "steps": self.steps, "busy_s": self.busy_s, "admitted": self.admitted,
+                "blocking_runs": self.blocking_runs,
                 "asleep": self.asleep,
                 "version": self.sched.version, "sealed": self.sched.sealed}
 

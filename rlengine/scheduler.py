@@ -96,6 +96,9 @@ class SampleItem(msgspec.Struct, gc=False):
     seqs: list[Any] | None = None
     remaining: int = 0
     prompt_logprobs_raw: bytes | None = None
+    on_tokens: Any = None
+    """``on_tokens(index, token_ids, logprobs, version)`` on the loop thread as
+    sequence ``index`` produces tokens (streaming); None: report once, finished."""
 
 
 class LeaseItem:

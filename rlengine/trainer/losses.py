@@ -14,6 +14,17 @@ its derivative with respect to ``logp``; a trainer chains that through its
 model (the sim trainer does so by hand, and it is the reference the torch
 trainer is tested against).
 
+An **entropy bonus** is an option on top, never a change of these losses:
+``loss_fn_config={"entropy_coef": c}`` (any loss, ``c >= 0``) makes the
+trainer minimise ``loss - c * sum_t mask_t * H_t``, where ``H_t`` is the
+entropy of the model's whole next-token distribution at position ``t`` and
+``mask`` an optional per-token input (default 1; allowed only with an
+entropy coefficient). RL on small vocabularies needs it: without it the
+probability of rare but necessary tokens (an end token) collapses. The
+trainers report the Tinker loss as ``loss:sum`` unchanged and the bonus's
+``entropy:sum`` beside it. Without ``entropy_coef`` nothing differs from
+Tinker, and ``mask`` is rejected as before.
+
 ``validate_data`` runs on the loop thread before anything is queued and
 raises ``InvalidRequest`` naming the datum and field.
 """
@@ -21,14 +32,15 @@ raises ``InvalidRequest`` naming the datum and field.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from rlengine.errors import InvalidRequest
 from rlengine.types import LOSS_FNS, Datum
 
-__all__ = ["REQUIRED_INPUTS", "clip_thresholds", "elementwise", "validate_data"]
+__all__ = ["REQUIRED_INPUTS", "LossSettings", "as_settings", "clip_thresholds", "elementwise", "loss_settings",
+           "validate_data"]
 
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens",),
@@ -40,37 +52,75 @@ _OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
 _DEFAULT_CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 
 
-def clip_thresholds(loss_fn: str, config: dict[str, Any] | None) -> tuple[float, float]:
-    """``(clip_low_threshold, clip_high_threshold)`` from ``loss_fn_config`` or the defaults."""
+class LossSettings(NamedTuple):
+    """What ``loss_fn_config`` says, resolved: clip range and entropy coefficient."""
+
+    clip_low: float
+    clip_high: float
+    entropy_coef: float = 0.0
+
+    def config(self, loss_fn: str) -> dict[str, float]:
+        """The ``loss_fn_config`` that resolves to these settings (for re-validation)."""
+        out: dict[str, float] = {}
+        if loss_fn in _DEFAULT_CLIP:
+            out |= {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
+        if self.entropy_coef:
+            out["entropy_coef"] = self.entropy_coef
+        return out
+
+
+def as_settings(thresholds: tuple[float, ...]) -> LossSettings:
+    """``LossSettings`` from what a trainer was handed: settings, or a bare ``(lo, hi)`` pair."""
+    if isinstance(thresholds, LossSettings):
+        return thresholds
+    lo, hi = thresholds
+    return LossSettings(float(lo), float(hi))
+
+
+def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
+    """Resolve ``loss_fn_config``: clip thresholds (ppo, cispo) and ``entropy_coef`` (any loss)."""
     lo, hi = _DEFAULT_CLIP.get(loss_fn, (0.0, math.inf))
     config = config or {}
     for key in config:
-        if key not in ("clip_low_threshold", "clip_high_threshold"):
+        if key not in ("clip_low_threshold", "clip_high_threshold", "entropy_coef"):
             raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key],
-                                 "unknown key (known: clip_low_threshold, clip_high_threshold)")
-    if config and loss_fn not in _DEFAULT_CLIP:
-        raise InvalidRequest("loss_fn_config", config, f"loss_fn={loss_fn!r} takes no config")
+                                 "unknown key (known: clip_low_threshold, clip_high_threshold, entropy_coef)")
+    clip_keys = {"clip_low_threshold", "clip_high_threshold"} & set(config)
+    if clip_keys and loss_fn not in _DEFAULT_CLIP:
+        raise InvalidRequest("loss_fn_config", config, f"loss_fn={loss_fn!r} takes no clip thresholds")
     lo = config.get("clip_low_threshold", lo)
     hi = config.get("clip_high_threshold", hi)
-    for name, v in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
+    coef = config.get("entropy_coef", 0.0)
+    for name, v in (("clip_low_threshold", lo), ("clip_high_threshold", hi), ("entropy_coef", coef)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
             raise InvalidRequest(f"loss_fn_config[{name!r}]", v, "must be a number >= 0")
+    if math.isinf(coef):
+        raise InvalidRequest("loss_fn_config['entropy_coef']", coef, "must be finite")
     if lo > hi:
         raise InvalidRequest("loss_fn_config", config, f"clip_low_threshold {lo} > clip_high_threshold {hi}")
-    return float(lo), float(hi)
+    return LossSettings(float(lo), float(hi), float(coef))
+
+
+def clip_thresholds(loss_fn: str, config: dict[str, Any] | None) -> tuple[float, float]:
+    """``(clip_low_threshold, clip_high_threshold)`` from ``loss_fn_config`` or the defaults."""
+    settings = loss_settings(loss_fn, config)
+    return settings.clip_low, settings.clip_high
 
 
 def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-                  vocab_size: int, max_len: int) -> tuple[float, float]:
-    """Check a batch before it is queued; returns the clip thresholds."""
+                  vocab_size: int, max_len: int) -> LossSettings:
+    """Check a batch before it is queued; returns the resolved settings (a
+    ``(clip_low, clip_high, entropy_coef)`` tuple)."""
     if loss_fn not in LOSS_FNS:
         raise InvalidRequest("loss_fn", loss_fn, f"must be one of {', '.join(LOSS_FNS)}")
-    thresholds = clip_thresholds(loss_fn, loss_fn_config)
+    thresholds = loss_settings(loss_fn, loss_fn_config)
     if not isinstance(data, (list, tuple)) or not data:
         raise InvalidRequest("data", data if not isinstance(data, (list, tuple)) else "[]",
                              "must be a non-empty list of Datum")
     required = REQUIRED_INPUTS[loss_fn]
     allowed = set(required) | set(_OPTIONAL_INPUTS.get(loss_fn, ()))
+    if thresholds.entropy_coef:
+        allowed.add("mask")
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):
             raise InvalidRequest(f"data[{i}]", type(datum).__name__, "must be a Datum")
@@ -109,8 +159,11 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
 
 
 def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
-                thresholds: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token loss and its derivative with respect to ``logp`` (float64)."""
+                thresholds: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token loss and its derivative with respect to ``logp`` (float64).
+
+    ``thresholds`` is ``(clip_low, clip_high)`` or ``LossSettings``; the
+    entropy bonus is not elementwise in ``logp`` and is the trainer's part."""
     logp = logp.astype(np.float64)
     if loss_fn == "cross_entropy":
         w = inputs.get("weights")
@@ -120,7 +173,7 @@ def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
     ratio = np.exp(logp - inputs["logprobs"].astype(np.float64))
     if loss_fn == "importance_sampling":
         return -ratio * adv, -ratio * adv
-    lo, hi = thresholds
+    lo, hi = thresholds[0], thresholds[1]
     clipped = np.clip(ratio, lo, hi)
     if loss_fn == "ppo":
         unclipped_obj, clipped_obj = ratio * adv, clipped * adv

@@ -6,7 +6,10 @@ whatever the context. That is small enough to differentiate by hand:
 ``d logp(t) / d theta = onehot(t) - softmax(theta)``, chained with the
 per-token loss derivatives of ``rlengine.trainer.losses``. Gradients
 accumulate across ``forward_backward`` calls until ``optim_step`` (AdamW,
-optional global-norm clipping), exactly as the torch trainer does.
+optional global-norm clipping), exactly as the torch trainer does. The
+entropy bonus (``losses``) is differentiated by hand too: the distribution
+is the same at every position, ``H = -sum p log p`` and
+``dH / d theta_k = -p_k (log p_k + H)``.
 
 It lets the control plane (scheduling, gates, installs, the RL loop's
 plumbing) be tested for real without torch. Compute thread only.
@@ -24,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 from rlengine.config import SimConfig
 from rlengine.errors import InvalidRequest
-from rlengine.trainer.losses import elementwise
+from rlengine.trainer.losses import as_settings, elementwise
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 __all__ = ["SimTrainer"]
@@ -49,33 +52,43 @@ class SimTrainer:
         t = self.theta - self.theta.max()
         return t - math.log(np.exp(t).sum())
 
-    def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, float],
+    def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...],
              backward: bool) -> ForwardBackwardOutput:
+        settings = as_settings(thresholds)
         logp_all = self._log_softmax()
         probs = np.exp(logp_all)
+        entropy = float(-(probs * logp_all).sum())
         total = 0.0
+        entropy_total = 0.0
         outputs = []
         grad = np.zeros_like(self.theta)
         for datum in data:
             inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
             targets = inputs["target_tokens"]
             logp = logp_all[targets]
-            loss, dlogp = elementwise(loss_fn, logp, inputs, thresholds)
+            loss, dlogp = elementwise(loss_fn, logp, inputs, settings)
             total += float(loss.sum())
             if backward:
                 grad += np.bincount(targets, weights=dlogp, minlength=self.vocab_size) - dlogp.sum() * probs
+            if settings.entropy_coef:
+                weight = float(inputs["mask"].sum()) if "mask" in inputs else float(len(targets))
+                entropy_total += weight * entropy
+                if backward:
+                    grad -= settings.entropy_coef * weight * (-probs * (logp_all + entropy))
             outputs.append({"logprobs": TensorData.from_numpy(logp.astype(np.float32)),
                             "elementwise_loss": TensorData.from_numpy(loss.astype(np.float32))})
         if backward:
             self.grad += grad
-        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
-                                     metrics={"loss:sum": total})
+        metrics = {"loss:sum": total}
+        if settings.entropy_coef:
+            metrics["entropy:sum"] = entropy_total
+        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
-    def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, float]) -> ForwardBackwardOutput:
+    def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:
         return self._run(data, loss_fn, thresholds, backward=False)
 
     def forward_backward(self, data: list[Datum], loss_fn: str,
-                         thresholds: tuple[float, float]) -> ForwardBackwardOutput:
+                         thresholds: tuple[float, ...]) -> ForwardBackwardOutput:
         return self._run(data, loss_fn, thresholds, backward=True)
 
     def optim_step(self, params: AdamParams) -> OptimStepResponse:

@@ -13,7 +13,10 @@ with the sampler drained:
   ``d loss / d logp``; that is chained into the model with
   ``torch.autograd.backward(logp, dlogp)``. So there is one definition of
   every loss, shared with the sim trainer, and the torch trainer cannot drift
-  from it. Gradients accumulate across calls until ``optim_step``.
+  from it. Gradients accumulate across calls until ``optim_step``. With an
+  entropy bonus (``LossSettings.entropy_coef``, see ``losses``) the entropy
+  of each position's whole next-token distribution is computed from the
+  same logits and ``-coef * mask * H`` joins the backward pass.
 * ``optim_step(AdamParams)``: torch AdamW with the given hyperparameters,
   after global grad-norm clipping when ``grad_clip_norm > 0``.
 * ``sampler_weights``: the parameters themselves, by HF name, for the
@@ -40,7 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.torch_runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
-from rlengine.trainer.losses import elementwise, validate_data
+from rlengine.trainer.losses import as_settings, elementwise, validate_data
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 __all__ = ["TorchTrainer", "build"]
@@ -96,8 +99,9 @@ class TorchTrainer:
                 longest = n
         return groups
 
-    def _target_logprobs(self, data: list[Datum]) -> torch.Tensor:
-        """``logp`` of every target, datums concatenated in order (float32, with graph)."""
+    def _target_logprobs(self, data: list[Datum], entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logp`` of every target, datums concatenated in order (float32, with graph),
+        and with ``entropy`` the entropy of the next-token distribution at each position."""
         lengths = [d.model_input.length for d in data]
         n = max(lengths)
         ids = torch.zeros((len(data), n), dtype=torch.long)
@@ -110,41 +114,60 @@ class TorchTrainer:
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
             logits = self.model(input_ids=ids).logits
         logits = logits.float()
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
-        return torch.cat([logp[i, :lengths[i]] for i in range(len(data))])
+        norm = logits.logsumexp(-1)
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - norm
+        ent = None
+        if entropy:
+            # H = logsumexp(z) - sum softmax(z) * z, without materialising log_softmax.
+            ent = norm - (logits.softmax(-1) * logits).sum(-1)
+            ent = torch.cat([ent[i, :lengths[i]] for i in range(len(data))])
+        return torch.cat([logp[i, :lengths[i]] for i in range(len(data))]), ent
 
-    def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, float],
+    def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...],
              backward: bool) -> ForwardBackwardOutput:
-        validate_data(data, loss_fn, None, self.vocab_size, self.max_len)
+        settings = as_settings(thresholds)
+        validate_data(data, loss_fn, settings.config(loss_fn), self.vocab_size, self.max_len)
+        coef = settings.entropy_coef
         outputs: list[dict[str, TensorData]] = [{} for _ in data]
         total = 0.0
+        entropy_total = 0.0
         for group in self._micro_batches(data):
             batch = [data[i] for i in group]
             with torch.set_grad_enabled(backward):
-                logp = self._target_logprobs(batch)
+                logp, ent = self._target_logprobs(batch, entropy=coef > 0)
             logp_np = logp.detach().cpu().numpy()
-            grads = []
+            grads, masks = [], []
             offset = 0
             for i, datum in zip(group, batch):
                 n = datum.model_input.length
                 inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
-                loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, thresholds)
+                loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, settings)
                 total += float(loss.sum())
                 grads.append(dlogp)
+                masks.append(inputs["mask"] if "mask" in inputs else np.ones(n))
                 outputs[i] = {"logprobs": TensorData.from_numpy(logp_np[offset:offset + n]),
                               "elementwise_loss": TensorData.from_numpy(loss.astype(np.float32))}
                 offset += n
+            weights = None
+            if ent is not None:
+                weights = torch.from_numpy(np.concatenate(masks).astype(np.float32)).to(self.device)
+                entropy_total += float((ent.detach() * weights).sum())
             if backward:
                 grad = torch.from_numpy(np.concatenate(grads).astype(np.float32)).to(self.device)
-                torch.autograd.backward(logp, grad)
-        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
-                                     metrics={"loss:sum": total})
+                if ent is None:
+                    torch.autograd.backward(logp, grad)
+                else:
+                    torch.autograd.backward([logp, ent], [grad, -coef * weights])
+        metrics = {"loss:sum": total}
+        if coef:
+            metrics["entropy:sum"] = entropy_total
+        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
-    def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, float]) -> ForwardBackwardOutput:
+    def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:
         return self._run(data, loss_fn, thresholds, backward=False)
 
     def forward_backward(self, data: list[Datum], loss_fn: str,
-                         thresholds: tuple[float, float]) -> ForwardBackwardOutput:
+                         thresholds: tuple[float, ...]) -> ForwardBackwardOutput:
         return self._run(data, loss_fn, thresholds, backward=True)
 
     # -- optimizer -------------------------------------------------------------------------

@@ -1,0 +1,91 @@
+"""RL loop benchmarks (pytest-benchmark); figures in bench/RESULTS_rl.md.
+
+* **copy recipe to 0.9**: ``rlengine train copy`` with its defaults, one run
+  per seed (0, 1, 2): the first step whose mean training reward reaches
+  0.9, and the RL wall time to it (``time_s`` of that step: counted from the
+  loop's start, after the model is built and the engine is up), plus the
+  first step's reward (a random model: about 0.02).
+* **sync vs async**: the copy recipe for 40 steps with
+  ``max_steps_off_policy`` 0 and 1, rounds alternating (3 each), medians of
+  steps/s over steps 2-40 (the first includes warm-up); the ratio async /
+  sync is measured in one run of this file. The same runs give the share of
+  each step's wall time in which the sampler ran no backend step (the
+  engine's ``busy_s`` counter), median over steps.
+
+    OMP_NUM_THREADS=1 python -m pytest bench/test_rl.py --benchmark-only -s
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest
+
+from rlengine.rl.metrics import read_jsonl
+from rlengine.rl.run import train
+
+SEEDS = (0, 1, 2)
+ROUNDS = 3
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("rlengine-bench-cache"))
+
+
+def run_copy(path, cache: str, **settings) -> list[dict]:
+    outcome = train("copy", {"cache_dir": cache, "backend": "torch", "checkpoint_every": "0",
+                             **{k: str(v) for k, v in settings.items()}}, run_dir=str(path))
+    assert outcome.error is None, outcome.error
+    return read_jsonl(outcome.metrics_path)
+
+
+def test_copy_recipe_steps_and_time_to_target(benchmark, tmp_path, cache):
+    results = {}
+
+    def run_all() -> None:
+        for seed in SEEDS:
+            steps = run_copy(tmp_path / f"seed{seed}", cache, seed=seed)
+            hit = next((s for s in steps if s["reward_mean"] >= 0.9), None)
+            results[seed] = {"first_reward": steps[0]["reward_mean"],
+                             "step_to_0.9": hit["step"] if hit else None,
+                             "seconds_to_0.9": round(hit["time_s"], 1) if hit else None,
+                             "final_reward_last5": round(statistics.mean(s["reward_mean"] for s in steps[-5:]), 3),
+                             "seconds_per_step_median": round(statistics.median(s["step_time_s"] for s in steps), 3)}
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    benchmark.extra_info["per_seed"] = results
+    print()
+    for seed, r in results.items():
+        print(f"seed {seed}: {r}")
+    assert all(r["first_reward"] < 0.2 for r in results.values())
+
+
+def test_sync_vs_async_steps_per_second(benchmark, tmp_path, cache):
+    rates: dict[int, list[float]] = {0: [], 1: []}
+    idle: dict[int, list[float]] = {0: [], 1: []}
+
+    def rounds() -> None:
+        for r in range(ROUNDS):
+            for ahead in (0, 1):
+                steps = run_copy(tmp_path / f"r{r}-k{ahead}", cache, steps=STEPS, eval_every=0,
+                                 max_steps_off_policy=ahead)
+                span = steps[-1]["time_s"] - steps[0]["time_s"]
+                rates[ahead].append((len(steps) - 1) / span)
+                idle[ahead].append(statistics.median(s["sampler_idle_frac"] for s in steps[1:]))
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    sync, async_ = statistics.median(rates[0]), statistics.median(rates[1])
+    info = {"sync_steps_per_s": round(sync, 3), "async_steps_per_s": round(async_, 3),
+            "ratio_async_over_sync": round(async_ / sync, 3),
+            "sampler_idle_sync": round(statistics.median(idle[0]), 3),
+            "sampler_idle_async": round(statistics.median(idle[1]), 3),
+            "rounds": {"sync": [round(x, 3) for x in rates[0]], "async": [round(x, 3) for x in rates[1]]}}
+    benchmark.extra_info.update(info)
+    print()
+    print(info)

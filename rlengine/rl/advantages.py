@@ -1,0 +1,135 @@
+"""From trajectory groups to training data: filtering, GRPO advantages, Tinker datums.
+
+* ``assess_group`` decides what happens to a group: failed attempts are
+  filtered out; with fewer than ``min_surviving_attempts`` survivors the
+  group is dropped (``too_few_survivors``); with every surviving reward equal
+  it is dropped (``constant_reward``) when so configured, since its
+  advantages are all zero; otherwise each survivor gets the group-centred
+  advantage ``r - mean(r)``, divided by ``std(r) + eps`` when normalising
+  (GRPO; population std over the survivors).
+* ``trajectory_datums`` turns one trajectory into ``Datum``s for the
+  ``importance_sampling`` / ``ppo`` / ``cispo`` losses: input tokens, next-token
+  targets, the sampler's logprobs, the advantage on every sampled token
+  (zero on observation tokens) and, with an entropy bonus, a ``mask`` of
+  sampled tokens (the bonus's weights). Consecutive turns whose observation extends the previous
+  context token for token share one datum; a turn that does not (the
+  environment rewrote the context) starts a new one.
+* ``is_stale`` is the staleness rule of ``max_steps_off_policy``.
+
+Pure functions over values; nothing here waits, samples or trains.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from rlengine.rl.types import Trajectory, TrajectoryGroup
+from rlengine.types import Datum, ModelInput
+
+__all__ = ["GroupVerdict", "assess_group", "group_advantages", "is_stale", "trajectory_datums"]
+
+
+class GroupVerdict(NamedTuple):
+    """What happens to a group: ``kept`` trajectory indices and their advantages, or why it is dropped."""
+
+    kept: list[int]
+    advantages: list[float]
+    rewards: list[float]
+    """Total reward of every surviving attempt (also for dropped groups: they are real samples)."""
+    dropped: str | None
+    """None, ``too_few_survivors`` or ``constant_reward``."""
+    failed: int
+    """Attempts filtered out as failed."""
+
+
+def group_advantages(rewards: np.ndarray, normalize: bool, eps: float = 1e-6) -> np.ndarray:
+    """Group-centred advantages: ``r - mean(r)``, over ``std(r) + eps`` when ``normalize``."""
+    r = np.asarray(rewards, dtype=np.float64)
+    centred = r - r.mean()
+    if normalize:
+        centred = centred / (r.std() + eps)
+    return centred
+
+
+def assess_group(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_constant_reward: bool,
+                 normalize: bool) -> GroupVerdict:
+    totals = group.total_rewards()
+    survivors = [i for i, t in enumerate(group.trajectories) if not t.failed]
+    rewards = [totals[i] for i in survivors]
+    failed = len(group.trajectories) - len(survivors)
+    if len(survivors) < min_surviving_attempts or not survivors:
+        return GroupVerdict([], [], rewards, "too_few_survivors", failed)
+    if skip_constant_reward and max(rewards) == min(rewards):
+        return GroupVerdict([], [], rewards, "constant_reward", failed)
+    advantages = group_advantages(np.array(rewards), normalize)
+    return GroupVerdict(survivors, [float(a) for a in advantages], rewards, None, failed)
+
+
+def is_stale(oldest_version: int | None, current_version: int, max_steps_off_policy: int) -> bool:
+    """A group is stale when its oldest token was sampled more than ``max_steps_off_policy``
+    policy versions before the weights about to be trained. Versions here are
+    policy versions of the run (updates applied), not the engine's install counter."""
+    return oldest_version is not None and current_version - oldest_version > max_steps_off_policy
+
+
+class _Segment:
+    """One datum under construction: tokens, and per token whether it was sampled."""
+
+    __slots__ = ("logprobs", "sampled", "tokens")
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self.tokens = [prompt]
+        self.sampled = [np.zeros(prompt.shape[0], dtype=bool)]
+        self.logprobs = [np.zeros(prompt.shape[0], dtype=np.float32)]
+
+    def extend(self, tokens: np.ndarray, sampled: bool, logprobs: np.ndarray | None = None) -> None:
+        self.tokens.append(tokens)
+        self.sampled.append(np.full(tokens.shape[0], sampled))
+        self.logprobs.append(logprobs if logprobs is not None else np.zeros(tokens.shape[0], dtype=np.float32))
+
+    def context(self) -> np.ndarray:
+        return np.concatenate(self.tokens)
+
+    def datum(self, advantage: float, with_mask: bool) -> tuple[Datum, np.ndarray] | None:
+        tokens = np.concatenate(self.tokens).astype(np.int64)
+        if tokens.shape[0] < 2:
+            return None
+        # Position i predicts token i + 1: drop the first token's flags, the last input.
+        sampled = np.concatenate(self.sampled)[1:]
+        logprobs = np.concatenate(self.logprobs)[1:]
+        mask = sampled.astype(np.float32)
+        inputs = {"target_tokens": tokens[1:], "logprobs": np.where(sampled, logprobs, 0.0).astype(np.float32),
+                  "advantages": (mask * advantage).astype(np.float32)}
+        if with_mask:
+            inputs["mask"] = mask
+        return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs), mask
+
+
+def trajectory_datums(trajectory: Trajectory, advantage: float, *,
+                      with_mask: bool) -> list[tuple[Datum, np.ndarray]]:
+    """The datums of one trajectory, each with its mask of sampled target tokens; see
+    the module docstring. ``with_mask`` also puts the mask into the datum (the
+    ``mask`` input, which the trainer accepts only with an entropy bonus)."""
+    segments: list[_Segment] = []
+    current: _Segment | None = None
+    for t in trajectory.transitions:
+        prompt = t.observation.prompt.to_numpy()
+        if current is not None:
+            context = current.context()
+            n = context.shape[0]
+            if prompt.shape[0] >= n and np.array_equal(prompt[:n], context):
+                current.extend(prompt[n:], sampled=False)
+            else:
+                current = None
+        if current is None:
+            current = _Segment(prompt)
+            segments.append(current)
+        current.extend(t.action.tokens_array(), sampled=True, logprobs=t.action.logprobs_array())
+    out = []
+    for segment in segments:
+        datum = segment.datum(advantage, with_mask)
+        if datum is not None:
+            out.append(datum)
+    return out

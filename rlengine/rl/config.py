@@ -1,0 +1,191 @@
+"""``TrainConfig``: every setting of an RL run, validated, and its ``key=value`` form.
+
+A recipe supplies its own defaults (``Recipe.defaults``); the command line
+overrides them with ``key=value`` pairs (``parse_overrides``), converted to
+each field's type. A bad value raises ``ConfigurationError`` naming the
+field and the value. The config is stored in the run directory, and a
+resumed run takes it from there.
+
+Values only; this module must not start anything.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import msgspec
+
+from rlengine.errors import ConfigurationError
+
+__all__ = ["RESUME_MUTABLE", "TrainConfig", "convert", "parse_overrides"]
+
+
+class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Settings of one RL run (defaults are a recipe's starting point, not tuned for any task)."""
+
+    seed: int = 0
+    """Seeds the dataset order and every sampling seed (derived per group and attempt)."""
+    backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
+    cache_dir: str | None = None
+    """Where models are built; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
+    steps: int | None = None
+    """Training steps; None trains through the dataset once. More steps than the
+    dataset has batches is an error (``DataExhausted``) when the data runs out."""
+    groups_per_batch: int = 32
+    group_size: int = 8
+    max_steps_off_policy: int = 0
+    """0: synchronous (sample a batch with the current weights, train, repeat).
+    k > 0: rollouts for up to k steps ahead run while training; a group whose
+    oldest token is more than k policy versions old is re-sampled instead of trained."""
+    workers: int | None = None
+    """Concurrent group rollouts; None: ``groups_per_batch * (max_steps_off_policy + 1)``."""
+    num_minibatches: int = 1
+    """> 1 streams: each minibatch of groups is sent to ``forward_backward`` as soon
+    as it is complete, one optimizer step per batch."""
+    num_substeps: int = 1
+    """Optimizer steps per batch: K > 1 splits the batch's datums into K parts,
+    each a forward_backward and an optimizer step (PPO-style reuse of the samples)."""
+    temperature: float = 1.0
+    max_tokens: int = 16
+    max_turns: int = 16
+    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "ppo"
+    clip_low_threshold: float | None = None
+    """None: the loss's default (ppo 0.8, cispo 0.0)."""
+    clip_high_threshold: float | None = None
+    """None: the loss's default (ppo 1.2, cispo 4.0)."""
+    entropy_coef: float = 0.0
+    learning_rate: float = 1e-4
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """``linear`` decays the learning rate from ``learning_rate`` at the first step to 0 after the last."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    normalize_advantages: bool = True
+    """Divide group-centred advantages by the group's reward std (GRPO)."""
+    skip_constant_reward: bool = True
+    """Drop groups whose surviving rewards are all equal (all advantages zero).
+    Off, they still carry the entropy bonus."""
+    min_surviving_attempts: int = 2
+    """Groups with fewer attempts that did not fail are dropped and counted."""
+    eval_every: int = 10
+    """Evaluate on the held-out split every N steps and after the last; 0: never."""
+    eval_temperature: float = 0.0
+    checkpoint_every: int = 0
+    """A quiescent checkpoint every K steps and after the last; 0: never."""
+    keep_checkpoints: int = 2
+    drain_policy: Literal["wait", "pause"] = "wait"
+    episode_timeout_s: float = 300.0
+    call_timeout_s: float = 600.0
+    """Bound on every wait for one engine call of the training loop."""
+    shutdown_grace_s: float = 3.0
+    """After a failure or interrupt, how long stages get to stop before they are cancelled."""
+    target_reward: float = 0.9
+    """The summary reports the first step whose mean reward reaches it."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project when wandb is installed (never unasked)."""
+
+    def __post_init__(self) -> None:
+        _integer("seed", self.seed, minimum=None)
+        if self.steps is not None:
+            _integer("steps", self.steps, minimum=1)
+        for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
+                     "min_surviving_attempts", "keep_checkpoints"):
+            _integer(name, getattr(self, name), minimum=1)
+        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every"):
+            _integer(name, getattr(self, name), minimum=0)
+        if self.workers is not None:
+            _integer("workers", self.workers, minimum=1)
+        if self.min_surviving_attempts > self.group_size:
+            raise ConfigurationError(f"min_surviving_attempts={self.min_surviving_attempts}: exceeds "
+                                     f"group_size={self.group_size}")
+        if self.num_substeps > 1 and self.num_minibatches > 1:
+            raise ConfigurationError(f"num_substeps={self.num_substeps}: streaming minibatches "
+                                     f"(num_minibatches={self.num_minibatches}) take one optimizer step per batch")
+        if self.groups_per_batch % self.num_minibatches:
+            raise ConfigurationError(f"num_minibatches={self.num_minibatches}: must divide "
+                                     f"groups_per_batch={self.groups_per_batch}")
+        for name in ("temperature", "eval_temperature", "entropy_coef", "weight_decay", "grad_clip_norm"):
+            _number(name, getattr(self, name), minimum=0.0)
+        for name in ("learning_rate", "eps", "episode_timeout_s", "call_timeout_s", "shutdown_grace_s"):
+            _number(name, getattr(self, name), minimum=0.0, exclusive=True)
+        for name in ("clip_low_threshold", "clip_high_threshold"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name), minimum=0.0)
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            _number(name, v, minimum=0.0)
+            if v >= 1.0:
+                raise ConfigurationError(f"{name}={v!r}: must be in [0, 1)")
+        _number("target_reward", self.target_reward, minimum=None)
+
+    @property
+    def resolved_workers(self) -> int:
+        return self.workers or self.groups_per_batch * (self.max_steps_off_policy + 1)
+
+    def loss_fn_config(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.clip_low_threshold is not None:
+            out["clip_low_threshold"] = self.clip_low_threshold
+        if self.clip_high_threshold is not None:
+            out["clip_high_threshold"] = self.clip_high_threshold
+        if self.entropy_coef:
+            out["entropy_coef"] = self.entropy_coef
+        return out
+
+
+RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkpoints", "call_timeout_s",
+                            "episode_timeout_s", "shutdown_grace_s", "target_reward", "wandb_project", "cache_dir"})
+"""Settings a resumed run may change: they do not change what is sampled or trained."""
+
+
+def _integer(name: str, value: object, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ConfigurationError(f"{name}={value!r}: must be an integer{bound}")
+
+
+def _number(name: str, value: object, minimum: float | None, exclusive: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if exclusive else value >= minimum
+    if not ok:
+        bound = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum}"
+        raise ConfigurationError(f"{name}={value!r}: must be a finite number{bound}")
+
+
+_FIELDS = frozenset(TrainConfig.__struct_fields__)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """``["key=value", ...]`` -> ``{key: value}`` (strings; typed by ``build_config``)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigurationError(f"{pair!r}: settings are key=value")
+        if key in out:
+            raise ConfigurationError(f"{key}={value!r}: given twice")
+        out[key] = value
+    return out
+
+
+def convert(target: type[Any], values: dict[str, Any], what: str) -> Any:
+    """``values`` (strings from the command line, or typed) as a ``target`` Struct.
+
+    ``none``/``null`` means None; other strings are converted to each
+    field's type. Errors name the key and the value.
+    """
+    known = set(target.__struct_fields__)
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigurationError(f"{key}={value!r}: not a setting of {what} "
+                                     f"(known: {', '.join(sorted(known))})")
+    decoded = {k: (None if isinstance(v, str) and v.lower() in ("none", "null") else v) for k, v in values.items()}
+    try:
+        return msgspec.convert(decoded, target, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigurationError(f"{what}: {exc}") from None

@@ -1,0 +1,49 @@
+"""Errors of the RL loop, under rlengine's one root (``rlengine.errors``).
+
+Each class also inherits the stdlib type a caller would catch; messages name
+the field or stage and the value. The loop adds a note naming the stage an
+error came from (``exc.add_note``) and re-raises the original exception, so
+a user's own exception type survives the shutdown cascade unchanged; these
+classes are for what the loop itself detects. Standard library only.
+"""
+
+from __future__ import annotations
+
+from rlengine.errors import RLEngineError
+
+__all__ = ["CheckpointError", "DataExhausted", "InvalidReward", "RunInterrupted", "StageTimeout"]
+
+
+class DataExhausted(RLEngineError, RuntimeError):
+    """The dataset ran out before the requested number of steps."""
+
+    def __init__(self, batch: int, steps: int, length: int) -> None:
+        self.batch = batch
+        self.steps = steps
+        self.length = length
+        super().__init__(f"steps={steps}: the dataset ran out at batch {batch} (it has {length} batches)")
+
+
+class InvalidReward(RLEngineError, ValueError):
+    """An environment or group builder returned a reward that is not a finite number."""
+
+    def __init__(self, where: str, value: object) -> None:
+        self.where = where
+        self.value = value
+        super().__init__(f"{where}={value!r}: a reward must be a finite number")
+
+
+class RunInterrupted(RLEngineError, RuntimeError):
+    """The run was stopped by a signal (SIGINT or SIGTERM); exit code 128 + signal number."""
+
+    def __init__(self, signum: int, name: str) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {name}")
+
+
+class StageTimeout(RLEngineError, TimeoutError):
+    """A bounded wait inside the loop ran out (a training call, an episode, a shutdown)."""
+
+
+class CheckpointError(RLEngineError, OSError):
+    """A checkpoint could not be written or read, or does not match this run."""

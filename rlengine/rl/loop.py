@@ -1,0 +1,641 @@
+"""The RL pipeline: dataloader -> rollout workers -> training loop -> evaluation loop.
+
+All four stages are tasks on one event loop (the engine's, in async mode),
+connected by queues:
+
+* the **dataloader** issues group builders in dataset order to the work
+  queue. Batch ``b`` is released once ``b <= step + max_steps_off_policy``
+  (0: synchronous, each batch sampled with the newest weights); groups the
+  training loop found stale come back and are re-issued first. When the
+  data needed is issued and every issued group consumed, or on stop, it
+  sends one sentinel per worker.
+* **rollout workers** take a builder, roll the group out through the
+  engine (``rollouts.rollout_group``) and put the group on the results
+  queue. Each worker decrements a counter in ``finally`` (so a crashed
+  worker counts too); the last one to stop tells the training loop that no
+  more results will come.
+* the **training loop** consumes ``groups_per_batch`` groups per step. Every
+  group passes one intake (``_intake``): the stale-group filter first
+  (``max_steps_off_policy``, from the per-token policy versions the engine
+  recorded; a stale group is re-sampled, not trained), then failed attempts
+  and ``min_surviving_attempts``, constant rewards, GRPO advantages. Both
+  the batch path and the streaming path (``num_minibatches > 1``, each
+  minibatch sent to ``forward_backward`` as soon as it is complete) go
+  through it. Then one optimizer step (or ``num_substeps`` of them, each on
+  a part of the batch), one weight install (a new policy version), one
+  metrics line, and every K steps a quiescent checkpoint.
+  When it stops, for whatever reason, it signals the evaluation loop.
+* the **evaluation loop** evaluates the held-out split when asked (at the
+  start, every N steps, after the last) and re-checks shutdown after every
+  wake-up.
+
+Shutdown is a cascade, never a hope. A normal end flows down the chain
+above. Any stage raising (or ``interrupt``, for signals) records the first
+error, sets the abort event that every wait in every stage also watches,
+and cancels in-flight rollouts (which aborts their engine requests); the
+supervisor gives the stages ``shutdown_grace_s`` to finish, cancels what is
+left, drains the queues, checks that no task of the run is left behind,
+and re-raises the original error with a note naming its stage.
+
+This module must not own the engine or the run directory (``run`` does) and
+must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from rlengine.engine import Engine
+from rlengine.errors import ConfigurationError
+from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
+from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.errors import DataExhausted, RunInterrupted, StageTimeout
+from rlengine.rl.metrics import RunLog, reward_stats
+from rlengine.rl.rollouts import mix_seed, rollout_group
+from rlengine.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
+from rlengine.types import AdamParams, Datum, SamplingParams
+
+__all__ = ["TrainingRun"]
+
+_EVAL_SEED = 0x4556414C  # keeps evaluation seeds apart from training seeds
+
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+NO_MORE_WORK = _Sentinel("no more work")
+WORKERS_DONE = _Sentinel("workers done")
+EVAL_STOP = _Sentinel("evaluation stop")
+
+
+class WorkItem(NamedTuple):
+    index: int
+    attempt: int
+    builder: EnvGroupBuilder
+
+
+class RolloutResult(NamedTuple):
+    item: WorkItem
+    group: TrajectoryGroup
+    seconds: float
+
+
+class _StepBatch:
+    """What one training step collects from its groups."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+        self.rewards: list[float] = []
+        self.counts: Counter[str] = Counter()
+        self.staleness: list[int] = []
+        self.tokens = 0
+        self.datums: list[Datum] = []
+        self.masks: list[np.ndarray] = []
+        self.pending_datums: list[Datum] = []
+        self.pending_groups = 0
+        self.fb: list[tuple[Any, list[int]]] = []
+        """(forward_backward future, indices of its datums) per submitted forward_backward."""
+        self.on_policy = 0
+        """How many of ``fb`` ran before the step's first optimizer update."""
+        self.ledger: list[dict[str, Any]] = []
+        self.env_metrics: dict[str, list[float]] = {}
+        self.tag_rewards: dict[str, list[float]] = {}
+
+
+class TrainingRun:
+    """One run of the pipeline on a started engine; see the module docstring."""
+
+    def __init__(self, engine: Engine, config: TrainConfig, dataset: RLDataset, eval_dataset: RLDataset | None,
+                 log: RunLog, *, checkpointer: Checkpointer | None = None,
+                 resume: tuple[str, LoopState] | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_eval: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.engine = engine
+        self.cfg = config
+        self.dataset = dataset
+        self.eval_dataset = eval_dataset
+        self.log = log
+        self.checkpointer = checkpointer
+        self.resume = resume
+        self.on_step = on_step
+        self.on_eval = on_eval
+        start = resume[1] if resume else None
+        self.step = start.step if start else 0
+        self.updates = start.updates if start else 0
+        self.cursor = start.cursor if start else 0
+        self._reissue = [PendingGroup(p.index, p.attempt) for p in start.pending] if start else []
+        self._elapsed0 = start.elapsed_s if start else 0.0
+        self.total_steps = config.steps if config.steps is not None else len(dataset)
+        self.n_workers = config.resolved_workers
+        self.error: BaseException | None = None
+        self.error_stage: str | None = None
+        self.left_behind: list[str] = []
+        """Stages that had to be cancelled after the grace period."""
+        self.drained = 0
+        """Items still in the queues at the end (discarded)."""
+        self._issued: dict[int, PendingGroup] = {}
+        self._requeued: deque[WorkItem] = deque()
+        self._builders: tuple[int, Sequence[EnvGroupBuilder]] | None = None
+        self._workers_left = self.n_workers
+        self._finished = False
+        self._eval_requested: set[int] = set()
+        self._v0 = 0
+        self._clock0 = 0.0
+        self._last_step_end = 0.0
+        self._last_busy: float | None = None
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def _fail(self, stage: str, exc: BaseException) -> None:
+        if self.error is None:
+            self.error, self.error_stage = exc, stage
+            exc.add_note(f"rlengine.rl: raised in the {stage}")
+        self._abort.set()
+        self._stop.set()
+        self._progress.set()
+
+    def interrupt(self, signum: int, name: str) -> None:
+        """Stop the run as failed with ``RunInterrupted`` (a signal handler calls this on the loop)."""
+        self._fail("signal handler", RunInterrupted(signum, name))
+
+    def _request_stop(self) -> None:
+        self._stop.set()
+        self._progress.set()
+
+    async def _until_aborted(self, awaitable: Awaitable[Any], timeout: float | None = None) -> Any:
+        """Await ``awaitable`` unless the run aborts first (then cancel it and return None).
+
+        ``timeout`` bounds the wait (``StageTimeout``)."""
+        task = asyncio.ensure_future(awaitable)
+        stopper = asyncio.ensure_future(self._abort.wait())
+        try:
+            done, _ = await asyncio.wait({task, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancelled(stopper)
+        if task in done:
+            return task.result()
+        task.cancel()
+        # Cancelled rollouts abort their engine requests; give them the grace period.
+        await asyncio.wait({task}, timeout=self.cfg.shutdown_grace_s)
+        if not done:
+            raise StageTimeout(f"a wait ran past its bound of {timeout} s")
+        return None
+
+    # -- the run ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run to the end; raises the first stage error (with a note naming the stage)."""
+        self._abort = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._progress = asyncio.Event()
+        self.work_q: asyncio.Queue[Any] = asyncio.Queue()
+        self.results_q: asyncio.Queue[Any] = asyncio.Queue()
+        self.eval_q: asyncio.Queue[Any] = asyncio.Queue()
+        self.training = self.engine.training_client()
+        self._clock0 = time.monotonic() - self._elapsed0
+        if self.resume is not None:
+            await self._call(self.training.load_state(f"{self.resume[0]}/trainer"))
+        self._v0 = (await self._call(self.training.save_weights_for_sampler())).version
+        self.sampler = self.engine.sampling_client()
+        self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
+        self._last_step_end = time.monotonic()
+        self._last_busy = self._sampler_busy()
+        if self.cfg.eval_every and self.eval_dataset is not None and self.step == 0:
+            self._request_eval(0)
+        stages: dict[str, Callable[[], Awaitable[None]]] = {"dataloader": self._dataloader}
+        for i in range(self.n_workers):
+            stages[f"rollout worker {i}"] = self._worker
+        stages["training loop"] = self._trainer
+        stages["evaluation loop"] = self._evaluator
+        tasks = {asyncio.create_task(self._stage(name, fn), name=f"rlengine.rl: {name}"): name
+                 for name, fn in stages.items()}
+        await self._supervise(tasks)
+        if self.error is not None:
+            raise self.error
+
+    async def _stage(self, name: str, fn: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run()
+            self._fail("rollout workers" if name.startswith("rollout worker") else name, exc)
+
+    async def _supervise(self, tasks: dict[asyncio.Task[None], str]) -> None:
+        pending = set(tasks)
+        aborted = asyncio.ensure_future(self._abort.wait())
+        try:
+            while pending and not self._abort.is_set():
+                pending = (await asyncio.wait(pending | {aborted}, return_when=asyncio.FIRST_COMPLETED))[1]
+                pending.discard(aborted)
+        finally:
+            await _cancelled(aborted)
+        if pending:
+            pending = (await asyncio.wait(pending, timeout=self.cfg.shutdown_grace_s))[1]
+        if pending:
+            self.left_behind = sorted(tasks[t] for t in pending)
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=1.0)
+            if self.error is not None:
+                self.error.add_note(f"rlengine.rl: cancelled after shutdown_grace_s={self.cfg.shutdown_grace_s}: "
+                                    f"{', '.join(self.left_behind)}")
+        for queue in (self.work_q, self.results_q, self.eval_q):
+            while not queue.empty():
+                queue.get_nowait()
+                self.drained += 1
+        current = asyncio.current_task()
+        # Every task but this one and the engine's own ("rlengine-..."): stages,
+        # rollouts and the waits they started must all be finished by now.
+        orphans = [t for t in asyncio.all_tasks() if t is not current and not t.get_name().startswith("rlengine-")]
+        if orphans and self.error is None:
+            self._fail("supervisor", RuntimeError(f"tasks left behind: {[(t.get_name(), t.get_coro()) for t in orphans]}"))
+
+    # -- versions ------------------------------------------------------------------------
+
+    def _policy_version(self, engine_version: int) -> int:
+        """The run's policy version (updates applied) of an engine install counter value.
+
+        The engine counts installs from 1 in every process; the run installs
+        its starting weights once (``_v0``) and once per update after that."""
+        start_updates = self.resume[1].updates if self.resume else 0
+        return start_updates + engine_version - self._v0
+
+    def _sampler_busy(self) -> float | None:
+        """Seconds the engine's sampler has spent in backend steps (None if the engine does not say)."""
+        busy = self.engine.stats().get("busy_s")
+        return None if busy is None else float(busy)
+
+    async def _call(self, future: Any) -> Any:
+        """Await one engine call of the training loop, bounded and abort-aware."""
+        return await self._until_aborted(_await(future), timeout=self.cfg.call_timeout_s)
+
+    # -- dataloader ----------------------------------------------------------------------
+
+    def _builder(self, index: int) -> EnvGroupBuilder:
+        g = self.cfg.groups_per_batch
+        batch = index // g
+        if self._builders is None or self._builders[0] != batch:
+            if batch >= len(self.dataset):
+                raise DataExhausted(batch, self.total_steps, len(self.dataset))
+            try:
+                builders = self.dataset.get_batch(batch)
+            except IndexError:
+                raise DataExhausted(batch, self.total_steps, len(self.dataset)) from None
+            if len(builders) != g:
+                raise ConfigurationError(f"groups_per_batch={g}: batch {batch} of the dataset holds "
+                                         f"{len(builders)} group builders")
+            self._builders = (batch, builders)
+        return self._builders[1][index % g]
+
+    def _issue(self, item: WorkItem) -> None:
+        self._issued[item.index] = PendingGroup(item.index, item.attempt)
+        self.work_q.put_nowait(item)
+
+    async def _dataloader(self) -> None:
+        g, ahead = self.cfg.groups_per_batch, self.cfg.max_steps_off_policy
+        needed = self.total_steps * g
+        try:
+            for p in self._reissue:
+                self._issue(WorkItem(p.index, p.attempt, self._builder(p.index)))
+            while not self._stop.is_set():
+                if self._requeued:
+                    self._issue(self._requeued.popleft())
+                    continue
+                if self.cursor < needed and self.cursor // g <= self.step + ahead:
+                    self._issue(WorkItem(self.cursor, 0, self._builder(self.cursor)))
+                    self.cursor += 1
+                    continue
+                if self.cursor >= needed and not self._issued:
+                    return
+                self._progress.clear()
+                # Bounded, so that a missed wake-up costs a second, never a hang.
+                try:
+                    await asyncio.wait_for(self._progress.wait(), 1.0)
+                except TimeoutError:
+                    pass
+        finally:
+            for _ in range(self.n_workers):
+                self.work_q.put_nowait(NO_MORE_WORK)
+
+    # -- rollout workers ---------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        try:
+            while True:
+                item = await self.work_q.get()
+                if item is NO_MORE_WORK:
+                    return
+                if self._abort.is_set():
+                    continue
+                started = time.monotonic()
+                seed = mix_seed(self.cfg.seed, item.index, item.attempt)
+                group = await self._until_aborted(rollout_group(
+                    item.builder, self.sampler, self.params, seed, max_turns=self.cfg.max_turns,
+                    episode_timeout_s=self.cfg.episode_timeout_s))
+                if group is not None:
+                    self.results_q.put_nowait(RolloutResult(item, group, time.monotonic() - started))
+        finally:
+            self._workers_left -= 1
+            if self._workers_left == 0:
+                self.results_q.put_nowait(WORKERS_DONE)
+
+    # -- training loop ---------------------------------------------------------------------
+
+    async def _trainer(self) -> None:
+        try:
+            while self.step < self.total_steps:
+                if not await self._train_step():
+                    return
+            self._finished = True
+        finally:
+            # The training loop signals evaluation: a last evaluation after a
+            # normal end, then stop.
+            if self._finished and self.cfg.eval_every and self.eval_dataset is not None:
+                self._request_eval(self.step)
+            self.eval_q.put_nowait(EVAL_STOP)
+            self._request_stop()
+
+    async def _next_result(self) -> RolloutResult | None:
+        result = await self._until_aborted(self.results_q.get())
+        if result is None:
+            return None
+        if result is WORKERS_DONE:
+            if self._abort.is_set():
+                return None
+            raise RuntimeError(f"step {self.step + 1}: every rollout worker stopped before the step had its "
+                               f"{self.cfg.groups_per_batch} groups")
+        return result
+
+    def _intake(self, result: RolloutResult, batch: _StepBatch, step: int) -> None:
+        """One group into the step: stale filter, failures and survivors, advantages, datums."""
+        cfg = self.cfg
+        item, group = result.item, result.group
+        spans = group.versions()
+        oldest = None if spans is None else self._policy_version(spans[0])
+        batch.tokens += sum(t.sampled_tokens for t in group.trajectories)
+        entry: dict[str, Any] = {"step": step, "group": item.index, "attempt": item.attempt,
+                                 "versions": None if spans is None else [oldest, self._policy_version(spans[1])]}
+        if is_stale(oldest, self.updates, cfg.max_steps_off_policy):
+            batch.counts["groups_resampled_stale"] += 1
+            batch.ledger.append({**entry, "disposition": "resampled_stale"})
+            retry = WorkItem(item.index, item.attempt + 1, item.builder)
+            self._issued[item.index] = PendingGroup(item.index, retry.attempt)
+            self._requeued.append(retry)
+            self._progress.set()
+            return
+        del self._issued[item.index]
+        batch.consumed += 1
+        self._progress.set()
+        verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
+                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
+        batch.rewards += verdict.rewards
+        batch.counts["attempts_failed"] += verdict.failed
+        for tag in group.tags:
+            batch.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
+        for t in group.trajectories:
+            if not t.failed:
+                for tr in t.transitions:
+                    for key, value in tr.metrics.items():
+                        batch.env_metrics.setdefault(key, []).append(float(value))
+        failures = [{"attempt": i, **_failure_record(t.failure), "metadata": t.metadata}
+                    for i, t in enumerate(group.trajectories) if t.failure is not None]
+        entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
+        if failures:
+            entry["failures"] = failures
+        if verdict.dropped is not None:
+            batch.counts[f"groups_dropped_{verdict.dropped}"] += 1
+            batch.ledger.append({**entry, "disposition": f"dropped_{verdict.dropped}"})
+            return
+        batch.ledger.append({**entry, "disposition": "trained"})
+        batch.counts["groups_trained"] += 1
+        if oldest is not None:
+            batch.staleness.append(self.updates - oldest)
+        for i, advantage in zip(verdict.kept, verdict.advantages):
+            for datum, mask in trajectory_datums(group.trajectories[i], advantage, with_mask=cfg.entropy_coef > 0):
+                batch.pending_datums.append(datum)
+                batch.masks.append(mask)
+        batch.pending_groups += 1
+        if cfg.num_minibatches > 1 and batch.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
+            self._submit_minibatch(batch)
+
+    def _submit_minibatch(self, batch: _StepBatch) -> None:
+        if batch.pending_datums:
+            future = self.training.forward_backward(batch.pending_datums, self.cfg.loss_fn, self.cfg.loss_fn_config())
+            first = len(batch.datums)
+            batch.fb.append((future, list(range(first, first + len(batch.pending_datums)))))
+            batch.datums += batch.pending_datums
+        batch.pending_datums, batch.pending_groups = [], 0
+
+    def _submit_training(self, batch: _StepBatch, step: int, adam: AdamParams) -> list[Any]:
+        """Queue the step's training calls; returns the optimizer steps' futures.
+
+        One optimizer step over the batch (its minibatches already streamed),
+        or with ``num_substeps`` K > 1 the datums shuffled (seeded by the step)
+        into K parts, each a forward_backward and an optimizer step: later
+        parts see weights already updated, which is where PPO's clipping acts.
+        """
+        cfg = self.cfg
+        if cfg.num_substeps == 1:
+            self._submit_minibatch(batch)
+            batch.on_policy = len(batch.fb)
+            return [self.training.optim_step(adam)] if batch.fb else []
+        datums, batch.pending_datums = batch.pending_datums, []
+        batch.datums = datums
+        order = np.random.default_rng([cfg.seed, step]).permutation(len(datums))
+        optims = []
+        for k in range(min(cfg.num_substeps, len(datums))):
+            idx = order[k::cfg.num_substeps].tolist()
+            batch.fb.append((self.training.forward_backward([datums[i] for i in idx], cfg.loss_fn,
+                                                            cfg.loss_fn_config()), idx))
+            optims.append(self.training.optim_step(adam))
+        batch.on_policy = min(1, len(batch.fb))
+        return optims
+
+    async def _train_step(self) -> bool:
+        cfg = self.cfg
+        step = self.step + 1
+        batch = _StepBatch()
+        while batch.consumed < cfg.groups_per_batch:
+            result = await self._next_result()
+            if result is None:
+                return False
+            self._intake(result, batch, step)
+        train_started = time.monotonic()
+        train_metrics: dict[str, float] = {}
+        lr = cfg.learning_rate
+        if cfg.lr_schedule == "linear":
+            lr *= 1.0 - (step - 1) / self.total_steps
+        adam = AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm)
+        optims = self._submit_training(batch, step, adam)
+        if optims:
+            install = self.training.save_weights_for_sampler()
+            outputs = [(await self._call(f), idx) for f, idx in batch.fb]
+            optim_outs = [await self._call(o) for o in optims]
+            await self._call(install)
+            if self._abort.is_set():
+                return False
+            self.updates += 1
+            train_metrics = self._train_metrics(batch, outputs, optim_outs) | {"learning_rate": lr}
+        now = time.monotonic()
+        busy = self._sampler_busy()
+        wall = now - self._last_step_end
+        record: dict[str, Any] = {
+            "step": step, "version": self.updates, **reward_stats(batch.rewards),
+            "groups_trained": batch.counts["groups_trained"],
+            "groups_dropped_constant_reward": batch.counts["groups_dropped_constant_reward"],
+            "groups_dropped_too_few_survivors": batch.counts["groups_dropped_too_few_survivors"],
+            "groups_resampled_stale": batch.counts["groups_resampled_stale"],
+            "attempts_failed": batch.counts["attempts_failed"], "datums": len(batch.datums),
+            "staleness_mean": float(np.mean(batch.staleness)) if batch.staleness else float("nan"),
+            "staleness_max": max(batch.staleness) if batch.staleness else None,
+            **train_metrics, "tokens_sampled": batch.tokens, "tokens_per_s": batch.tokens / wall if wall else 0.0,
+            "step_time_s": wall, "train_time_s": now - train_started,
+            "sampler_idle_frac": (min(1.0, max(0.0, 1.0 - (busy - self._last_busy) / wall))
+                                  if wall and busy is not None and self._last_busy is not None else None),
+            "time_s": now - self._clock0,
+        }
+        record |= {f"env/{k}": float(np.mean(v)) for k, v in sorted(batch.env_metrics.items())}
+        record |= {f"reward_mean/{k}": float(np.mean(v)) for k, v in sorted(batch.tag_rewards.items())}
+        self._last_step_end, self._last_busy = now, busy
+        # The step is complete: advance, and snapshot the loop state before any
+        # await lets the dataloader issue the next batch.
+        self.step = step
+        self._progress.set()
+        snapshot = self._snapshot() if self._checkpoint_due() else None
+        self.log.step(record)
+        self.log.groups(batch.ledger)
+        if self.on_step is not None:
+            self.on_step(record)
+        if snapshot is not None:
+            await self._checkpoint(snapshot)
+        if cfg.eval_every and self.eval_dataset is not None and step % cfg.eval_every == 0:
+            self._request_eval(step)
+        return True
+
+    def _request_eval(self, step: int) -> None:
+        if step not in self._eval_requested:
+            self._eval_requested.add(step)
+            self.eval_q.put_nowait(step)
+
+    def _train_metrics(self, batch: _StepBatch, outputs: list[tuple[Any, list[int]]],
+                       optim_outs: list[Any]) -> dict[str, float]:
+        """Loss, entropy, grad norm, and the sampler-vs-trainer logprob KL over sampled tokens.
+
+        The KL is taken over the forward passes that ran before this step's
+        first optimizer update (all of them without substeps): there, any
+        difference between the two logprobs is sampler/trainer mismatch, not
+        learning."""
+        diffs = []
+        loss = entropy = 0.0
+        tokens = 0
+        for n, (out, idx) in enumerate(outputs):
+            loss += out.metrics.get("loss:sum", 0.0)
+            entropy += out.metrics.get("entropy:sum", 0.0)
+            for record, i in zip(out.loss_fn_outputs, idx):
+                mask = batch.masks[i] > 0
+                tokens += int(mask.sum())
+                if n < batch.on_policy:
+                    trainer_lp = record["logprobs"].to_numpy()[mask]
+                    sampler_lp = batch.datums[i].loss_fn_inputs["logprobs"].to_numpy()[mask]
+                    diffs.append(sampler_lp.astype(np.float64) - trainer_lp)
+        d = np.concatenate(diffs) if diffs else np.zeros(0)
+        out: dict[str, float] = {"loss_sum": loss, "sampled_tokens_trained": tokens}
+        if d.size:
+            # k1 (mean log ratio) and k2 (half the mean squared log ratio) estimators.
+            out["kl_sample_train_v1"] = float(d.mean())
+            out["kl_sample_train_v2"] = float(0.5 * (d * d).mean())
+        if self.cfg.entropy_coef and tokens:
+            out["entropy_mean"] = entropy / tokens
+        norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)
+                 if "grad_norm" in m]
+        if norms:
+            out["grad_norm"] = float(np.mean(norms))
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        k = self.cfg.checkpoint_every
+        return bool(self.checkpointer and k and (self.step % k == 0 or self.step == self.total_steps))
+
+    def _snapshot(self) -> LoopState:
+        return LoopState(step=self.step, updates=self.updates, cursor=self.cursor,
+                         pending=sorted(self._issued.values(), key=lambda p: p.index), rng=capture_rng(),
+                         elapsed_s=time.monotonic() - self._clock0)
+
+    async def _checkpoint(self, state: LoopState) -> None:
+        assert self.checkpointer is not None
+        staging = self.checkpointer.staging_dir(state.step)
+        # A blocking item: it runs with the sampler drained, after this step's install.
+        await self._call(self.training.save_state(f"{staging}/trainer"))
+        if not self._abort.is_set():
+            self.checkpointer.commit(staging, state)
+
+    # -- evaluation loop -------------------------------------------------------------------
+
+    async def _evaluator(self) -> None:
+        while True:
+            request = await self.eval_q.get()
+            # Re-check shutdown after every wake-up: an abort overrides queued requests.
+            if self._abort.is_set() or request is EVAL_STOP:
+                return
+            record = await self._until_aborted(self._evaluate(request))
+            if record is None:
+                return
+            self.log.evaluation(record)
+            if self.on_eval is not None:
+                self.on_eval(record)
+
+    async def _evaluate(self, step: int) -> dict[str, Any]:
+        assert self.eval_dataset is not None
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.eval_temperature)
+        builders = [b for i in range(len(self.eval_dataset)) for b in self.eval_dataset.get_batch(i)]
+        async with asyncio.TaskGroup() as tasks:
+            running = [tasks.create_task(rollout_group(
+                b, self.sampler, params, mix_seed(self.cfg.seed, _EVAL_SEED, step, i), max_turns=self.cfg.max_turns,
+                episode_timeout_s=self.cfg.episode_timeout_s)) for i, b in enumerate(builders)]
+        rewards: list[float] = []
+        failed = 0
+        versions: list[int] = []
+        for task in running:
+            group = task.result()
+            for t, total in zip(group.trajectories, group.total_rewards()):
+                if t.failed:
+                    failed += 1
+                else:
+                    rewards.append(total)
+            spans = group.versions()
+            if spans is not None:
+                versions += [self._policy_version(spans[0]), self._policy_version(spans[1])]
+        return {"step": step, **reward_stats(rewards), "attempts": len(rewards) + failed, "attempts_failed": failed,
+                "version_min": min(versions) if versions else None, "version_max": max(versions) if versions else None,
+                "eval_time_s": time.monotonic() - started}
+
+
+def _failure_record(failure: Any) -> dict[str, Any]:
+    return {"stage": failure.stage, "error": failure.error, "message": failure.message, "turn": failure.turn}
+
+
+async def _await(future: Any) -> Any:
+    return await future
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and let it finish (a cancelled task is not done until the loop runs it)."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=1.0)

@@ -1,0 +1,162 @@
+"""What a run writes about itself: JSON lines, optional trackers, the summary.
+
+The run directory holds
+
+* ``metrics.jsonl`` - one line per training step: ``step`` and
+  ``reward_mean`` always, then the reward distribution, sampler-vs-trainer
+  logprob KL, staleness, tokens/s, step time, the sampler's idle share,
+  dropped and re-sampled groups, failed attempts, loss, entropy, grad norm
+  and the environments' own metrics (``env/<name>``);
+* ``eval.jsonl`` - one line per evaluation on the held-out split (``step``,
+  ``reward_mean``, ...);
+* ``groups.jsonl`` - the group ledger: one line per group the training loop
+  consumed or sent back (``step``, ``group`` index, ``attempt``,
+  ``disposition``, rewards, failures with the environment's metadata);
+* ``reward.png`` - the reward curve, written at the end.
+
+Every line is flushed as it is written, so a killed run loses at most a torn
+last line (``checkpoint.rewind_jsonl`` drops it on resume). TensorBoard is
+written when ``tensorboard`` (and torch) are installed; Weights & Biases
+when ``wandb`` is installed and ``TrainConfig.wandb_project`` is set.
+
+This module must not compute training quantities; it records them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import IO, Any
+
+import msgspec
+import numpy as np
+
+__all__ = ["RunLog", "reward_stats", "summarize"]
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+GROUPS_FILE = "groups.jsonl"
+CONFIG_FILE = "config.json"
+
+_encoder = msgspec.json.Encoder()
+
+
+def reward_stats(rewards: list[float], prefix: str = "reward") -> dict[str, float]:
+    """Mean, std, min, max and the 10/50/90th percentiles of ``rewards``."""
+    if not rewards:
+        return {f"{prefix}_mean": float("nan")}
+    r = np.asarray(rewards, dtype=np.float64)
+    p10, p50, p90 = np.percentile(r, [10, 50, 90])
+    return {f"{prefix}_mean": float(r.mean()), f"{prefix}_std": float(r.std()), f"{prefix}_min": float(r.min()),
+            f"{prefix}_max": float(r.max()), f"{prefix}_p10": float(p10), f"{prefix}_p50": float(p50),
+            f"{prefix}_p90": float(p90)}
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN: a missing figure is null.
+    return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in record.items()}
+
+
+class RunLog:
+    """Appends records to the run directory's JSON-lines files and the optional trackers."""
+
+    def __init__(self, run_dir: str, config: dict[str, Any], wandb_project: str | None) -> None:
+        self.run_dir = run_dir
+        self.metrics_path = os.path.join(run_dir, METRICS_FILE)
+        self.eval_path = os.path.join(run_dir, EVAL_FILE)
+        self.groups_path = os.path.join(run_dir, GROUPS_FILE)
+        self._files: dict[str, IO[bytes]] = {}
+        self._tb: Any = None
+        self._wandb: Any = None
+        if importlib.util.find_spec("tensorboard") is not None and importlib.util.find_spec("torch") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb_project and importlib.util.find_spec("wandb") is not None:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=config,
+                                     name=os.path.basename(os.path.abspath(run_dir)), resume="allow")
+
+    @property
+    def trackers(self) -> list[str]:
+        return [name for name, on in (("tensorboard", self._tb), ("wandb", self._wandb)) if on is not None]
+
+    def _append(self, path: str, record: dict[str, Any]) -> None:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "ab")  # noqa: SIM115 - closed in close()
+        f.write(_encoder.encode(_clean(record)) + b"\n")
+        f.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        self._append(self.metrics_path, record)
+        self._track(record, "train")
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self._append(self.eval_path, record)
+        self._track(record, "eval")
+
+    def groups(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self._append(self.groups_path, record)
+
+    def _track(self, record: dict[str, Any], prefix: str) -> None:
+        step = record["step"]
+        numbers = {f"{prefix}/{k}": v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                out.append(msgspec.json.decode(line))
+            except msgspec.DecodeError:
+                continue
+    return out
+
+
+def summarize(run_dir: str, target: float) -> dict[str, Any]:
+    """The run's figures from its files: rewards first and last, time and steps to ``target``, evaluations."""
+    steps = read_jsonl(os.path.join(run_dir, METRICS_FILE))
+    evals = read_jsonl(os.path.join(run_dir, EVAL_FILE))
+    out: dict[str, Any] = {"steps": len(steps), "target_reward": target}
+    if not steps:
+        return out
+    rewards = [s["reward_mean"] for s in steps if s.get("reward_mean") is not None]
+    out["first_reward_mean"] = rewards[0] if rewards else None
+    tail = rewards[-5:]
+    out["last_reward_mean"] = float(np.mean(tail)) if tail else None
+    reached = next((s for s in steps if (s.get("reward_mean") or float("-inf")) >= target), None)
+    out["step_to_target"] = reached["step"] if reached else None
+    out["time_to_target_s"] = reached["time_s"] if reached else None
+    out["time_s"] = steps[-1].get("time_s")
+    for key in ("groups_dropped_constant_reward", "groups_dropped_too_few_survivors", "groups_resampled_stale",
+                "attempts_failed"):
+        out[key] = int(sum(s.get(key) or 0 for s in steps))
+    idle = [s["sampler_idle_frac"] for s in steps if s.get("sampler_idle_frac") is not None]
+    out["sampler_idle_frac_median"] = float(np.median(idle)) if idle else None
+    if evals:
+        out["eval_reward_last"] = evals[-1].get("reward_mean")
+        out["eval_reward_best"] = max(e.get("reward_mean") or float("-inf") for e in evals)
+    return out

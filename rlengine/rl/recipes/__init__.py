@@ -1,0 +1,79 @@
+"""Recipes: what to train on, with which model and defaults, by name.
+
+A ``Recipe`` bundles the datasets (training and held-out), the engine
+settings (which model, which backend), its defaults for ``TrainConfig`` and
+its own options (an ``Options`` Struct; ``key=value`` on the command line
+sets either kind). ``load_recipe`` resolves a built-in name or
+``"package.module:ATTRIBUTE"`` for a recipe of your own.
+
+Built in:
+
+* ``copy`` - copy the digits of the prompt ("123=" -> "123$") with a
+  character-level model built locally; single-turn, shaped reward, learns
+  on CPU in minutes (``copy_digits``).
+
+Not built yet: a multi-turn recipe whose environments run in sandbox
+processes over IPC (it needs the sandbox client, ``rlengine.client``).
+
+This module must not run anything.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, ClassVar
+
+import msgspec
+
+from rlengine.config import EngineConfig
+from rlengine.errors import ConfigurationError
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.types import RLDataset
+
+__all__ = ["BUILTIN", "Recipe", "load_recipe"]
+
+BUILTIN: dict[str, str] = {
+    "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
+}
+
+
+class NoOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A recipe without options of its own."""
+
+
+class Recipe(abc.ABC):
+    """A trainable task; see the module docstring."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]] = {}
+    """``TrainConfig`` settings this recipe starts from."""
+    Options: ClassVar[type[msgspec.Struct]] = NoOptions
+
+    @abc.abstractmethod
+    def engine_config(self, config: TrainConfig, options: Any) -> EngineConfig:
+        """The engine to train with (model, backend); runs before the engine starts."""
+
+    @abc.abstractmethod
+    def datasets(self, config: TrainConfig, options: Any) -> tuple[RLDataset, RLDataset | None]:
+        """The training dataset and the held-out one (None: no evaluation)."""
+
+
+def load_recipe(name: str) -> Recipe:
+    """A built-in recipe by name, or ``module:attribute`` (a Recipe instance or class)."""
+    ref = BUILTIN.get(name, name)
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigurationError(f"recipe={name!r}: not a built-in recipe ({', '.join(BUILTIN)}) "
+                                 "nor 'package.module:ATTRIBUTE'")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise ConfigurationError(f"recipe={name!r}: cannot import {module!r}: {exc}") from None
+    except AttributeError:
+        raise ConfigurationError(f"recipe={name!r}: {module!r} has no {attr!r}") from None
+    recipe = obj() if isinstance(obj, type) else obj
+    if not isinstance(recipe, Recipe):
+        raise ConfigurationError(f"recipe={name!r}: {ref} is a {type(recipe).__name__}, not a Recipe")
+    return recipe

@@ -1,0 +1,186 @@
+"""Rollouts through the engine: one episode (single- or multi-turn), one group of them.
+
+``run_episode`` drives one ``Env``: observation -> ``SamplingClient.sample``
+-> ``env.step`` -> ... until the environment says done. Every sample is a
+separate engine request with its own future, so the attempts of a group and
+the groups of a batch proceed independently (no waves); the sampled tokens,
+logprobs and per-token policy versions are kept exactly as the engine
+returned them.
+
+Failures are contained where they belong:
+
+* an exception from the environment (``initial_observation``, ``step``), a
+  rejected request (``RequestError``: e.g. a prompt longer than the context),
+  too many turns or a timed-out episode fails that one attempt: the
+  trajectory carries an ``AttemptFailure`` and its siblings go on;
+* an engine that died (``EngineDeadError``), a failing ``EnvGroupBuilder``
+  and cancellation propagate: they are the rollout worker's failure.
+
+Cancelling a rollout aborts its in-flight engine request, so shutdown never
+waits for a generation nobody will read. Seeds are derived from the group's
+index and attempt, never drawn from shared state, so a resumed run samples
+what the uninterrupted one would have.
+
+This module must not train, filter or compute advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from rlengine.clients import SamplingClient
+from rlengine.errors import EngineDeadError, RequestError
+from rlengine.rl.errors import InvalidReward
+from rlengine.rl.types import (
+    AttemptFailure,
+    Env,
+    EnvGroupBuilder,
+    Observation,
+    StepResult,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+)
+from rlengine.types import SampledSequence, SamplingParams
+
+__all__ = ["mix_seed", "rollout_group", "run_episode"]
+
+log = logging.getLogger("rlengine")
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over the parts): stable across runs and processes."""
+    z = 0x243F6A8885A308D3
+    for part in parts:
+        z = (z ^ (part & _M64)) * 0x9E3779B97F4A7C15 & _M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z ^= z >> 31
+    return z & ((1 << 63) - 1)
+
+
+def _failure(stage: str, exc: BaseException, turn: int) -> AttemptFailure:
+    return AttemptFailure(stage=stage, error=type(exc).__name__, message=str(exc)[:500], turn=turn)
+
+
+def _check_reward(where: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidReward(where, value)
+    return float(value)
+
+
+async def _sample(client: SamplingClient, observation: Observation, params: SamplingParams) -> SampledSequence:
+    future = client.sample(observation.prompt, 1, params)
+    try:
+        response = await future
+    except asyncio.CancelledError:
+        # Nobody will read this generation: free the sampler for the others.
+        future.abort()
+        raise
+    return response.sequences[0]
+
+
+def _turn_params(base: SamplingParams, observation: Observation, seed: int) -> SamplingParams:
+    changes: dict[str, object] = {"seed": seed}
+    if observation.max_tokens is not None:
+        changes["max_tokens"] = observation.max_tokens
+    if observation.stop:
+        own = list(base.stop) if isinstance(base.stop, list) else ([base.stop] if base.stop else [])
+        changes["stop"] = own + list(observation.stop)
+    return msgspec.structs.replace(base, **changes)
+
+
+async def run_episode(env: Env, client: SamplingClient, params: SamplingParams, seed: int, *,
+                      max_turns: int) -> Trajectory:
+    """One episode of ``env``; an environment or request failure ends it as a failed attempt."""
+    transitions: list[Transition] = []
+    turn = 0
+    try:
+        metadata = env.metadata()
+    except Exception as exc:  # noqa: BLE001 - a broken environment fails its attempt only
+        return Trajectory(transitions=[], failure=_failure("metadata", exc, 0))
+    try:
+        try:
+            observation = await env.initial_observation()
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
+            return Trajectory(transitions=[], failure=_failure("initial_observation", exc, 0), metadata=metadata)
+        while True:
+            try:
+                action = await _sample(client, observation, _turn_params(params, observation, mix_seed(seed, turn)))
+            except RequestError as exc:
+                return Trajectory(transitions=transitions, failure=_failure("sample", exc, turn), metadata=metadata)
+            if action.stop_reason == "abort":
+                # The engine is shutting down; the loop is stopping this rollout anyway.
+                raise asyncio.CancelledError(f"turn {turn}: the engine aborted the sample")
+            try:
+                result = await env.step(action.tokens)
+                if not isinstance(result, StepResult):
+                    raise TypeError(f"Env.step returned {type(result).__name__}, not a StepResult")
+                reward = _check_reward(f"turn {turn} reward", result.reward)
+                if not result.done and result.next_observation is None:
+                    raise ValueError(f"turn {turn}: StepResult(done=False) needs a next_observation")
+            except (EngineDeadError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
+                return Trajectory(transitions=transitions, failure=_failure("step", exc, turn), metadata=metadata)
+            transitions.append(Transition(observation=observation, action=action, reward=reward,
+                                          done=result.done, metrics=dict(result.metrics)))
+            turn += 1
+            if result.done:
+                return Trajectory(transitions=transitions, metadata=metadata)
+            if turn >= max_turns:
+                return Trajectory(transitions=transitions, metadata=metadata, failure=AttemptFailure(
+                    stage="max_turns", error="MaxTurns", message=f"not done after max_turns={max_turns}",
+                    turn=turn))
+            assert result.next_observation is not None
+            observation = result.next_observation
+    finally:
+        try:
+            await env.close()
+        except Exception:
+            log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
+
+
+async def _bounded_episode(env: Env, client: SamplingClient, params: SamplingParams, seed: int,
+                           max_turns: int, timeout_s: float) -> Trajectory:
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await run_episode(env, client, params, seed, max_turns=max_turns)
+    except TimeoutError as exc:
+        return Trajectory(transitions=[], failure=AttemptFailure(
+            stage="timeout", error=type(exc).__name__,
+            message=f"episode_timeout_s={timeout_s}: not done after {time.monotonic() - started:.1f} s", turn=-1))
+
+
+async def rollout_group(builder: EnvGroupBuilder, client: SamplingClient, params: SamplingParams, seed: int, *,
+                        max_turns: int, episode_timeout_s: float) -> TrajectoryGroup:
+    """Every attempt of one group, concurrently; attempt ``i`` is seeded ``mix_seed(seed, i)``.
+
+    A failing builder, a dead engine or cancellation cancels the sibling
+    episodes (a task group) and propagates.
+    """
+    envs: Sequence[Env] = await builder.make_envs()
+    if not envs:
+        raise ValueError(f"{type(builder).__name__}.make_envs returned no environments")
+    async with asyncio.TaskGroup() as tasks:
+        running = [tasks.create_task(_bounded_episode(env, client, params, mix_seed(seed, i), max_turns,
+                                                      episode_timeout_s)) for i, env in enumerate(envs)]
+    trajectories = [t.result() for t in running]
+    group_rewards = await builder.compute_group_rewards(trajectories)
+    if len(group_rewards) != len(trajectories):
+        raise ValueError(f"{type(builder).__name__}.compute_group_rewards returned {len(group_rewards)} rewards "
+                         f"for {len(trajectories)} trajectories")
+    rewards = [_check_reward(f"group reward [{i}]", r) for i, r in enumerate(group_rewards)]
+    return TrajectoryGroup(trajectories=trajectories, group_rewards=rewards, tags=list(builder.logging_tags()),
+                           metadata=dict(builder.metadata()))

@@ -1,0 +1,223 @@
+"""One RL run end to end: recipe -> config -> run directory -> engine -> pipeline -> summary.
+
+``train(recipe, overrides, run_dir=..., resume=...)`` is what ``rlengine
+train`` calls and what a program may call instead:
+
+1. the recipe's defaults and the ``key=value`` overrides make the
+   ``TrainConfig`` and the recipe's own options; a resumed run takes both
+   from ``config.json`` in the run directory (only settings that do not
+   change what is sampled or trained may be overridden);
+2. on resume, the newest complete checkpoint is found and the run's
+   JSON-lines logs are cut back to its step;
+3. the engine starts on a fresh uvloop loop in this thread, with SIGINT and
+   SIGTERM turned into ``TrainingRun.interrupt`` (a bounded, cascading stop);
+4. ``TrainingRun`` runs; the engine is closed whatever happened;
+5. the reward curve is drawn and the summary computed from the files.
+
+The outcome carries the error, if any, for the caller to re-raise or turn
+into an exit code. This module must not define training logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from rlengine.config import EngineConfig
+from rlengine.engine import Engine
+from rlengine.errors import ConfigurationError
+from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
+from rlengine.rl.config import RESUME_MUTABLE, TrainConfig, convert
+from rlengine.rl.errors import CheckpointError
+from rlengine.rl.loop import TrainingRun
+from rlengine.rl.metrics import CONFIG_FILE, EVAL_FILE, GROUPS_FILE, METRICS_FILE, RunLog, read_jsonl, summarize
+from rlengine.rl.plot import write_reward_png
+from rlengine.rl.recipes import Recipe, load_recipe
+
+__all__ = ["RunOutcome", "build_config", "train"]
+
+
+class RunOutcome(msgspec.Struct, kw_only=True):
+    """What a run left: where, how far, its summary, and the error that ended it (None: success)."""
+
+    run_dir: str
+    metrics_path: str
+    summary: dict[str, Any]
+    error: BaseException | None = None
+    stage: str | None = None
+    left_behind: list[str] = msgspec.field(default_factory=list)
+    drained: int = 0
+    resumed_from: int | None = None
+    png_path: str | None = None
+
+
+def build_config(recipe: Recipe, overrides: dict[str, Any]) -> tuple[TrainConfig, msgspec.Struct]:
+    """The run's ``TrainConfig`` and recipe options: recipe defaults, then ``overrides``."""
+    option_fields = set(recipe.Options.__struct_fields__)
+    train_fields = set(TrainConfig.__struct_fields__)
+    clash = option_fields & train_fields
+    if clash:
+        raise ConfigurationError(f"recipe {recipe.name!r}: options {sorted(clash)} shadow TrainConfig settings")
+    unknown = sorted(set(overrides) - option_fields - train_fields)
+    if unknown:
+        raise ConfigurationError(f"{unknown[0]}={overrides[unknown[0]]!r}: not a setting of recipe {recipe.name!r} "
+                                 f"(run settings: {', '.join(sorted(train_fields))}; recipe options: "
+                                 f"{', '.join(sorted(option_fields)) or 'none'})")
+    train = {**recipe.defaults, **{k: v for k, v in overrides.items() if k in train_fields}}
+    options = {k: v for k, v in overrides.items() if k in option_fields}
+    return convert(TrainConfig, train, "TrainConfig"), convert(recipe.Options, options, f"recipe {recipe.name!r}")
+
+
+def _stored_config(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, CONFIG_FILE)
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise CheckpointError(f"resume={run_dir!r}: cannot read {path}: {exc}") from None
+
+
+def _resume_config(run_dir: str, recipe_name: str | None,
+                   overrides: dict[str, Any]) -> tuple[str, TrainConfig, dict[str, Any]]:
+    stored = _stored_config(run_dir)
+    if recipe_name is not None and recipe_name != stored["recipe"]:
+        raise ConfigurationError(f"recipe={recipe_name!r}: the run in {run_dir!r} trains {stored['recipe']!r}")
+    for key, value in overrides.items():
+        if key not in RESUME_MUTABLE:
+            raise ConfigurationError(f"{key}={value!r}: a resumed run keeps the settings it started with "
+                                     f"(may change: {', '.join(sorted(RESUME_MUTABLE))})")
+    train = convert(TrainConfig, {**stored["train"], **overrides}, "TrainConfig")
+    if overrides:
+        _store_config(run_dir, stored["recipe"], train, stored["options"])
+    return stored["recipe"], train, stored["options"]
+
+
+def _store_config(run_dir: str, recipe: str, config: TrainConfig, options: Any) -> None:
+    stored = {"recipe": recipe, "train": msgspec.to_builtins(config), "options": msgspec.to_builtins(options)}
+    tmp = os.path.join(run_dir, f".{CONFIG_FILE}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(stored)))
+    os.replace(tmp, os.path.join(run_dir, CONFIG_FILE))
+
+
+def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
+    """The recipe's engine settings plus what the run needs: seed, drain policy, room for
+    every sequence a step may have in flight, and a close no longer than the grace period."""
+    in_flight = config.groups_per_batch * config.group_size * (config.max_steps_off_policy + 1)
+    return msgspec.structs.replace(base, seed=config.seed, drain_policy=config.drain_policy,
+                                   close_timeout_s=min(base.close_timeout_s, config.shutdown_grace_s),
+                                   max_num_seqs=max(base.max_num_seqs, in_flight))
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume: bool = False,
+          on_step: Callable[[dict[str, Any]], None] | None = None,
+          on_eval: Callable[[dict[str, Any]], None] | None = None,
+          on_start: Callable[[TrainConfig, int], None] | None = None) -> RunOutcome:
+    """Run (or resume) an RL run in ``run_dir``; see the module docstring.
+
+    Configuration errors raise at once; an error during the run is returned in
+    ``RunOutcome.error`` after the shutdown cascade (nothing is left running).
+    """
+    run_dir = os.path.abspath(run_dir)
+    checkpoint = None
+    if resume:
+        recipe_name, config, stored_options = _resume_config(run_dir, recipe, overrides)
+        the_recipe = load_recipe(recipe_name)
+        options = convert(the_recipe.Options, stored_options, f"recipe {recipe_name!r}")
+        checkpoint = Checkpointer(run_dir, config.keep_checkpoints).latest()
+        last = checkpoint[1].step if checkpoint else 0
+        for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE):
+            rewind_jsonl(os.path.join(run_dir, name), last)
+    else:
+        recipe_name = recipe or "copy"
+        the_recipe = load_recipe(recipe_name)
+        config, options = build_config(the_recipe, overrides)
+        if os.path.exists(os.path.join(run_dir, METRICS_FILE)):
+            raise ConfigurationError(f"run_dir={run_dir!r}: holds a run already (resume it with --resume, "
+                                     "or choose another directory)")
+        os.makedirs(run_dir, exist_ok=True)
+        _store_config(run_dir, recipe_name, config, options)
+    dataset, eval_dataset = the_recipe.datasets(config, options)
+    engine_config = _engine_config(config, the_recipe.engine_config(config, options))
+    total = config.steps if config.steps is not None else len(dataset)
+    if on_start is not None:
+        on_start(config, total)
+    log = RunLog(run_dir, msgspec.to_builtins(config), config.wandb_project)
+    checkpointer = Checkpointer(run_dir, config.keep_checkpoints)
+    outcome = RunOutcome(run_dir=run_dir, metrics_path=log.metrics_path, summary={},
+                         resumed_from=checkpoint[1].step if checkpoint else None)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        run: TrainingRun | None = None
+        pending_signal: list[tuple[int, str]] = []
+
+        def on_signal(signum: int, name: str) -> None:
+            if run is not None:
+                run.interrupt(signum, name)
+            else:
+                pending_signal.append((signum, name))
+
+        handled = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, on_signal, int(sig), sig.name)
+                handled.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+                pass
+        try:
+            async with Engine(engine_config) as engine:
+                run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
+                                  resume=checkpoint, on_step=on_step, on_eval=on_eval)
+                for signum, name in pending_signal:
+                    run.interrupt(signum, name)
+                try:
+                    await run.run()
+                finally:
+                    outcome.left_behind, outcome.drained = run.left_behind, run.drained
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    try:
+        with asyncio.Runner(loop_factory=_new_loop) as runner:
+            runner.run(main())
+    except Exception as exc:  # noqa: BLE001 - returned to the caller with its stage note
+        outcome.error = exc
+        outcome.stage = _stage_of(exc)
+    finally:
+        log.close()
+    outcome.summary = summarize(run_dir, config.target_reward)
+    outcome.png_path = _draw(run_dir)
+    return outcome
+
+
+def _stage_of(exc: BaseException) -> str | None:
+    for note in getattr(exc, "__notes__", ()):
+        if note.startswith("rlengine.rl: raised in the "):
+            return note.removeprefix("rlengine.rl: raised in the ")
+    return None
+
+
+def _draw(run_dir: str) -> str | None:
+    steps = read_jsonl(os.path.join(run_dir, METRICS_FILE))
+    if not steps:
+        return None
+    evals = read_jsonl(os.path.join(run_dir, EVAL_FILE))
+    path = os.path.join(run_dir, "reward.png")
+    write_reward_png(path, [(s["step"], s.get("reward_mean")) for s in steps],
+                     [(e["step"], e.get("reward_mean")) for e in evals])
+    return path

@@ -1,0 +1,197 @@
+"""The RL abstractions: environments, trajectories, groups of them, datasets of groups.
+
+Shaped like the Tinker cookbook's, so its users feel at home:
+
+* ``Env`` - one episode of one task. ``initial_observation()`` gives the
+  first prompt (an ``Observation``: token ids plus how to sample the
+  answer); ``step(action)`` takes the sampled tokens and returns a
+  ``StepResult``: reward, whether the episode is done, and the next
+  observation. Both are coroutines, so an environment may live elsewhere
+  (a sandbox process reached over IPC): the loop only awaits it, and an
+  exception it raises (a crashed sandbox, a broken connection) marks that one
+  attempt failed instead of ending the run.
+* ``EnvGroupBuilder`` - makes the ``group_size`` environments of one group
+  (the same task, several attempts: GRPO compares attempts within a group)
+  and may add a reward computed over the whole group.
+* ``RLDataset`` - ``get_batch(i)`` returns the builders of batch ``i``. It must
+  be a pure function of ``i`` (seeded by the index, never by call order): a
+  resumed run asks again for the batches it had not finished and must get
+  the same groups.
+* ``Transition``, ``Trajectory``, ``TrajectoryGroup`` - what a rollout
+  produced: each turn's observation, the exact sampled tokens with their
+  sampler logprobs and the policy version of every token, the rewards, and,
+  for an attempt that failed, an ``AttemptFailure`` saying where and why.
+
+Observations are token ids, not text: a multi-turn environment that
+extends the previous observation token for token (observation + action +
+new tokens) gives one training sequence per episode; the loop never
+re-tokenizes what the model sampled.
+
+This module defines values and interfaces only; it must not sample, train
+or import torch.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from rlengine.types import ModelInput, SampledSequence
+
+__all__ = ["AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "Observation", "RLDataset", "StepResult",
+           "Trajectory", "TrajectoryGroup", "Transition"]
+
+Metrics = dict[str, float]
+"""Numeric metrics an environment reports; the loop averages them per step under ``env/<name>``."""
+
+
+class Observation(msgspec.Struct, kw_only=True, frozen=True):
+    """A prompt for the policy and how to sample its answer."""
+
+    prompt: ModelInput
+    """The whole context of this turn, as token ids."""
+    max_tokens: int | None = None
+    """Most tokens of the answer; None takes the run's ``max_tokens``."""
+    stop: list[str] | list[int] | None = None
+    """Extra stop strings or token ids for this turn (the model's end token always stops)."""
+
+
+class StepResult(msgspec.Struct, kw_only=True, frozen=True):
+    """What ``Env.step`` returns."""
+
+    reward: float
+    done: bool
+    next_observation: Observation | None = None
+    """Required when ``done`` is False."""
+    metrics: Metrics = msgspec.field(default_factory=dict)
+
+
+class Transition(msgspec.Struct, kw_only=True, frozen=True):
+    """One turn: the observation, what the policy sampled, and the reward it got."""
+
+    observation: Observation
+    action: SampledSequence
+    """Tokens, sampler logprobs and per-token policy versions, exactly as sampled."""
+    reward: float
+    done: bool
+    metrics: Metrics = msgspec.field(default_factory=dict)
+
+
+class AttemptFailure(msgspec.Struct, kw_only=True, frozen=True):
+    """Why one attempt (one environment of a group) produced no usable trajectory."""
+
+    stage: str
+    """``metadata``, ``initial_observation``, ``sample``, ``step``, ``max_turns`` or ``timeout``."""
+    error: str
+    """The exception type."""
+    message: str
+    turn: int
+
+
+class Trajectory(msgspec.Struct, kw_only=True, frozen=True):
+    """One attempt: its transitions, or where it failed."""
+
+    transitions: list[Transition]
+    failure: AttemptFailure | None = None
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    """``Env.metadata()``: what the environment says about itself (sandbox id, task), for the logs."""
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    @property
+    def step_reward(self) -> float:
+        return math.fsum(t.reward for t in self.transitions)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(t.action.length for t in self.transitions)
+
+    def versions(self) -> tuple[int, int] | None:
+        """(oldest, newest) engine policy version of any sampled token; None without tokens."""
+        lo = hi = None
+        for t in self.transitions:
+            v = t.action.versions_array()
+            if v.size:
+                a, b = int(v.min()), int(v.max())
+                lo = a if lo is None else min(lo, a)
+                hi = b if hi is None else max(hi, b)
+        return None if lo is None else (lo, hi)  # type: ignore[return-value]
+
+
+class TrajectoryGroup(msgspec.Struct, kw_only=True, frozen=True):
+    """The attempts of one group, with the group-level rewards of its builder."""
+
+    trajectories: list[Trajectory]
+    group_rewards: list[float]
+    """``EnvGroupBuilder.compute_group_rewards``, one per trajectory (0 where the builder adds none)."""
+    tags: list[str] = msgspec.field(default_factory=list)
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def total_rewards(self) -> list[float]:
+        """Per trajectory: the sum of its step rewards plus its group reward."""
+        return [t.step_reward + g for t, g in zip(self.trajectories, self.group_rewards)]
+
+    def versions(self) -> tuple[int, int] | None:
+        """(oldest, newest) engine policy version over the group's sampled tokens."""
+        spans = [v for v in (t.versions() for t in self.trajectories) if v is not None]
+        if not spans:
+            return None
+        return min(v[0] for v in spans), max(v[1] for v in spans)
+
+
+class Env(abc.ABC):
+    """One episode of a task; see the module docstring."""
+
+    @abc.abstractmethod
+    async def initial_observation(self) -> Observation:
+        """The first prompt."""
+
+    @abc.abstractmethod
+    async def step(self, action: list[int]) -> StepResult:
+        """Take the sampled tokens of this turn; return the reward and what comes next."""
+
+    async def close(self) -> None:
+        """Release what the environment holds (a sandbox); called once per episode, also after a failure."""
+        return
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-able facts about this environment for the logs (e.g. a sandbox id)."""
+        return {}
+
+
+class EnvGroupBuilder(abc.ABC):
+    """Makes the environments of one group; see the module docstring."""
+
+    @abc.abstractmethod
+    async def make_envs(self) -> Sequence[Env]:
+        """The group's environments, one per attempt."""
+
+    async def compute_group_rewards(self, trajectories: Sequence[Trajectory]) -> list[float]:
+        """A reward per trajectory computed over the whole group, added to its step rewards."""
+        return [0.0] * len(trajectories)
+
+    def logging_tags(self) -> list[str]:
+        """Tags under which the loop also reports this group's mean reward (``reward_mean/<tag>``)."""
+        return []
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-able facts about this group (the task) for the group ledger."""
+        return {}
+
+
+class RLDataset(abc.ABC):
+    """Batches of group builders; ``get_batch`` must be a pure function of the index."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """The number of batches."""
+
+    @abc.abstractmethod
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        """The builders of batch ``index``: the same ones every time it is asked."""
