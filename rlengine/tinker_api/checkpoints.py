@@ -1,0 +1,133 @@
+"""Checkpoints of the Tinker API on local disk: ``tinker://`` paths, directories, metadata, base weights.
+
+Tinker names a checkpoint ``tinker://<model_id>/weights/<name>`` (training
+state: weights and optimizer) or ``tinker://<model_id>/sampler_weights/<name>``
+(weights for sampling). Here each is a directory under the server's
+``checkpoint_dir``: ``<checkpoint_dir>/<model_id>/<kind>/<name>/``, written by
+the trainer's ``save_state`` (a LoRA adapter, or full weights that form a
+loadable model directory) plus ``tinker.json`` (base model, LoRA settings,
+user metadata, the requested TTL). A directory is written under a temporary
+name and renamed into place, so a reader never sees half a checkpoint.
+
+TTLs are recorded, not enforced: local checkpoints stay until deleted.
+Names and ids are checked against a conservative alphabet so a path can
+never leave ``checkpoint_dir``. It never touches the engine; the heavy I/O
+functions run on the compute thread.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from typing import Any, NamedTuple
+
+from rlengine.errors import InvalidRequest
+from rlengine.tinker_api.errors import UnknownResource
+
+__all__ = [
+    "META_FILE",
+    "CheckpointPath",
+    "parse_path",
+    "publish",
+    "read_meta",
+    "read_model_weights",
+    "staging_dir",
+    "tinker_path",
+]
+
+META_FILE = "tinker.json"
+_KINDS = {"weights": "state", "sampler_weights": "sampler"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
+
+
+class CheckpointPath(NamedTuple):
+    model_id: str
+    segment: str
+    """``weights`` or ``sampler_weights``."""
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return f"tinker://{self.model_id}/{self.segment}/{self.name}"
+
+    def directory(self, root: str) -> str:
+        return os.path.join(root, self.model_id, self.segment, self.name)
+
+
+def check_name(field: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise InvalidRequest(field, name, "checkpoint names are 1-128 characters of A-Z a-z 0-9 . _ - "
+                             "(starting with a letter or digit)")
+    return name
+
+
+def tinker_path(model_id: str, segment: str, name: str, field: str = "path") -> CheckpointPath:
+    return CheckpointPath(model_id, segment, check_name(field, name))
+
+
+def parse_path(field: str, uri: str) -> CheckpointPath:
+    """``tinker://<model_id>/<weights|sampler_weights>/<name>`` -> its parts (checked)."""
+    if not isinstance(uri, str) or not uri.startswith("tinker://"):
+        raise InvalidRequest(field, uri, "must be a tinker:// checkpoint path")
+    parts = uri[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in _KINDS or not _MODEL_ID.match(parts[0]):
+        raise InvalidRequest(field, uri, "must look like tinker://<model_id>/weights/<name> or "
+                             "tinker://<model_id>/sampler_weights/<name>")
+    return CheckpointPath(parts[0], parts[1], check_name(field, parts[2]))
+
+
+def staging_dir(root: str, path: CheckpointPath) -> str:
+    """A fresh private directory next to where ``path`` will live (for ``publish``)."""
+    parent = os.path.dirname(path.directory(root))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{path.name}-{uuid.uuid4().hex[:8]}-", dir=parent)
+
+
+def publish(root: str, path: CheckpointPath, staged: str, meta: dict[str, Any], overwrite: bool) -> None:
+    """Write ``meta`` into ``staged`` and rename it to ``path``'s directory (replacing it with ``overwrite``)."""
+    final = path.directory(root)
+    try:
+        with open(os.path.join(staged, META_FILE), "w", encoding="utf-8") as f:
+            json.dump({**meta, "path": path.uri}, f, indent=2, sort_keys=True)
+        if os.path.exists(final):
+            if not overwrite:
+                raise InvalidRequest("path", path.name, f"checkpoint {path.uri} exists; pass overwrite=True to "
+                                     "replace it")
+            # Rename the old one aside first: the swap leaves no moment without a checkpoint.
+            old = f"{final}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(staged, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staged, final)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def read_meta(root: str, path: CheckpointPath) -> tuple[str, dict[str, Any]]:
+    """``(directory, metadata)`` of an existing checkpoint."""
+    directory = path.directory(root)
+    file = os.path.join(directory, META_FILE)
+    if not os.path.isfile(file):
+        raise UnknownResource("path", path.uri, "no such checkpoint on this server")
+    with open(file, encoding="utf-8") as f:
+        return directory, json.load(f)
+
+
+def read_model_weights(model_dir: str) -> list[tuple[str, Any]]:
+    """Every tensor of a model directory's safetensors files, by name (the base weights, from disk)."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise UnknownResource("base_model", model_dir, "the model directory holds no .safetensors weights")
+    out: list[tuple[str, Any]] = []
+    for file in files:
+        out.extend(load_file(file).items())
+    return out

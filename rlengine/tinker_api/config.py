@@ -1,0 +1,78 @@
+"""``TinkerServerConfig``: how the Tinker API server listens, authenticates and bounds its tables.
+
+A frozen msgspec Struct validated on construction; a bad value raises
+``ConfigurationError`` naming the field. Binding anything but a loopback
+address needs ``api_key`` (a shared secret): without one any key is
+accepted, which is only acceptable where nobody else can connect. This
+module holds settings only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+
+import msgspec
+
+from rlengine.errors import ConfigurationError
+
+__all__ = ["TinkerServerConfig"]
+
+
+class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Settings of the Tinker API server (every field has a working default)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port (the chosen one is in ``TinkerServer.url``)."""
+    api_key: str | None = None
+    """Shared secret every request must carry as ``X-API-Key`` (what the SDK sends from
+    ``TINKER_API_KEY``); None accepts any key, on loopback only."""
+    checkpoint_dir: str | None = None
+    """Where ``save_state`` / named ``save_weights_for_sampler`` write; None:
+    ``<rlengine cache>/tinker-checkpoints``."""
+    max_body_bytes: int = 64 << 20
+    poll_timeout_s: float = 20.0
+    """Longest a ``retrieve_future(s)`` call waits before answering try-again (the SDK's own timeout is 45 s)."""
+    future_ttl_s: float = 900.0
+    """How long a settled result waits to be retrieved before it expires."""
+    max_futures: int = 100_000
+    """Requests held in the futures table; beyond it (all still in flight) new calls get 429."""
+    session_ttl_s: float = 300.0
+    """A session with no heartbeat for this long is finished and its models unloaded (the SDK beats every 10 s)."""
+    hold_timeout_s: float = 300.0
+    """How long a call waits for an earlier ``seq_id`` of its model before it fails."""
+    max_models: int = 4
+    """Training models alive at once (each holds its own trainer and optimizer state)."""
+    sampler_snapshots_kept: int = 8
+    """Sampler weight snapshots kept in memory (a LoRA adapter each, or a full copy for rank 0)."""
+    sample_use_retrieve_futures: bool = False
+    """Tell SDKs to learn of finished samples from one ``retrieve_futures`` long poll per
+    sampling session instead of one ``retrieve_future`` poll per sample."""
+    sweep_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_futures", "max_models", "sampler_snapshots_kept"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigurationError(f"port={self.port!r}: must be an integer in [0, 65535]")
+        for name in ("poll_timeout_s", "future_ttl_s", "session_ttl_s", "hold_timeout_s", "sweep_interval_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+                raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigurationError("api_key='': must be a non-empty secret or None")
+        if self.api_key is None and not _is_loopback(self.host):
+            raise ConfigurationError(f"host={self.host!r}: not a loopback address; serving beyond this machine "
+                                     "needs api_key (a shared secret)")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

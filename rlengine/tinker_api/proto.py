@@ -1,0 +1,390 @@
+"""The protobuf messages of the Tinker wire, encoded and decoded by hand (no protobuf runtime).
+
+The Tinker SDK sends ``forward_backward`` bodies as a protobuf
+``ForwardBackwardRequest`` and asks for ``SampleResponse`` and
+``ForwardBackwardOutput`` results as protobuf (it refuses JSON for those).
+These messages are small and flat, so this module reads and writes the wire
+format directly (varints, length-delimited fields, little-endian doubles)
+rather than depending on the ``protobuf`` package and the SDK's generated
+module at serving time. Field numbers follow the SDK's ``tinker_public.proto``
+(tinker 0.38); ``tests/test_tinker_proto.py`` checks both directions against
+the generated classes.
+
+Token ids and tensors stay raw bytes end to end: a decoded request's tokens
+become ``ModelInput.tokens_raw`` without a Python list in between, and
+encoded results copy the engine's raw int32 / float32 buffers.
+
+Decoding raises ``InvalidRequest`` naming the message and field for
+malformed input, and ``NotSupported`` for features rlengine does not serve
+(images, audio, provenance spans). It must not touch engine state.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from rlengine.errors import InvalidRequest
+from rlengine.tinker_api.errors import NotSupported
+from rlengine.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
+
+__all__ = ["FwdBwdRequest", "decode_forward_backward_request", "encode_forward_backward_output",
+           "encode_sample_response"]
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_DOUBLE = struct.Struct("<d")
+# tinker_public.proto enums.
+_STOP_REASON = {"stop": 0, "length": 1}
+_DTYPE_FLOAT32, _DTYPE_INT64, _DTYPE_INT32 = 1, 2, 3
+_NUMPY_DTYPES = {_DTYPE_FLOAT32: np.dtype(np.float32), _DTYPE_INT64: np.dtype(np.int64), _DTYPE_INT32: np.dtype(np.int32)}
+
+
+class FwdBwdRequest(NamedTuple):
+    """A decoded ``ForwardBackwardRequest``."""
+
+    model_id: str
+    seq_id: int
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None
+    forward_only: bool
+
+
+# -- reading --------------------------------------------------------------------------
+
+
+def _varint(buf: memoryview, pos: int, where: str) -> tuple[int, int]:
+    result = shift = 0
+    n = len(buf)
+    while True:
+        if pos >= n:
+            raise InvalidRequest(where, "truncated varint", "malformed protobuf body")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise InvalidRequest(where, "varint longer than 10 bytes", "malformed protobuf body")
+
+
+def _fields(buf: memoryview, where: str) -> Iterator[tuple[int, int, Any]]:
+    """``(field number, wire type, value)``: an int for varints, raw bytes otherwise."""
+    pos, n = 0, len(buf)
+    while pos < n:
+        key, pos = _varint(buf, pos, where)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise InvalidRequest(where, "field number 0", "malformed protobuf body")
+        if wire == _VARINT:
+            value, pos = _varint(buf, pos, where)
+        elif wire == _LEN:
+            size, pos = _varint(buf, pos, where)
+            if size > n - pos:
+                raise InvalidRequest(where, f"field {number} of {size} bytes", "runs past the end of the body")
+            value, pos = buf[pos:pos + size], pos + size
+        elif wire == _I64:
+            if pos + 8 > n:
+                raise InvalidRequest(where, f"field {number}", "truncated 64-bit value")
+            value, pos = buf[pos:pos + 8], pos + 8
+        elif wire == _I32:
+            if pos + 4 > n:
+                raise InvalidRequest(where, f"field {number}", "truncated 32-bit value")
+            value, pos = buf[pos:pos + 4], pos + 4
+        else:
+            raise InvalidRequest(where, f"wire type {wire} on field {number}", "malformed protobuf body")
+        yield number, wire, value
+
+
+def _expect(where: str, number: int, wire: int, want: int) -> None:
+    if wire != want:
+        raise InvalidRequest(where, f"field {number} with wire type {wire}", f"expected wire type {want}")
+
+
+def _text(value: memoryview, where: str) -> str:
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest(where, "invalid UTF-8", "strings must be UTF-8") from None
+
+
+def _signed(value: int) -> int:
+    """A varint read as int64/int32 (two's complement over 64 bits)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _packed_int64(value: memoryview, wire: int, where: str) -> list[int]:
+    if wire == _VARINT:
+        return [_signed(value)]
+    out, pos = [], 0
+    while pos < len(value):
+        v, pos = _varint(value, pos, where)
+        out.append(_signed(v))
+    return out
+
+
+def _map_entry(buf: Any, wire: int, where: str) -> tuple[str, int, Any]:
+    """A map field's entry: ``(key, value wire type, value)``."""
+    _expect(where, 0, wire, _LEN)
+    key, value_wire, value = "", _LEN, None
+    for number, w, v in _fields(buf, where):
+        if number == 1:
+            _expect(where, number, w, _LEN)
+            key = _text(v, where)
+        elif number == 2:
+            value_wire, value = w, v
+    return key, value_wire, value
+
+
+def _tensor(buf: memoryview, where: str) -> TensorData:
+    dense: memoryview | None = None
+    sparse: memoryview | None = None
+    dtype = 0
+    shape: list[int] = []
+    for number, wire, value in _fields(buf, where):
+        if number == 1:
+            _expect(where, number, wire, _LEN)
+            dense = value
+        elif number == 2:
+            _expect(where, number, wire, _LEN)
+            sparse = value
+        elif number == 3:
+            _expect(where, number, wire, _VARINT)
+            dtype = value
+        elif number == 4:
+            if wire not in (_VARINT, _LEN):
+                raise InvalidRequest(f"{where}.shape", f"wire type {wire}", "must be varints")
+            shape.extend(_packed_int64(value, wire, where))
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"{where}.shape", shape, "dimensions must be >= 0")
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        raise NotSupported(f"{where}.dtype", dtype, "rlengine takes float32, int64 and int32 tensors")
+    raw = (dense if dense is not None else memoryview(b"")) if sparse is None else _sparse_values(sparse, where)
+    if len(raw) % np_dtype.itemsize:
+        raise InvalidRequest(f"{where}.data", len(raw), f"byte length is not a multiple of {np_dtype.itemsize}")
+    values = np.frombuffer(raw, dtype=np_dtype)
+    if dtype == _DTYPE_INT32:
+        # The public wire collapses integer widths to int64.
+        values = values.astype(np.int64)
+    if sparse is not None:
+        values = _densify(sparse, values, shape, where)
+    if not shape:
+        shape = [int(values.size)]
+    if math.prod(shape) != values.size:
+        raise InvalidRequest(f"{where}.shape", shape, f"does not match its {values.size} values")
+    return TensorData.from_numpy(values.reshape(shape))
+
+
+def _sparse_values(buf: memoryview, where: str) -> memoryview:
+    for number, wire, value in _fields(buf, where):
+        _expect(where, number, wire, _LEN)
+        if number == 1:
+            _expect(where, number, wire, _LEN)
+            return value
+    return memoryview(b"")
+
+
+def _densify(buf: memoryview, values: np.ndarray, shape: list[int], where: str) -> np.ndarray:
+    """A sparse CSR tensor (pad value 0, as the SDK encodes it) as a dense array."""
+    crow = col = np.empty(0, dtype=np.int64)
+    for number, wire, value in _fields(buf, where):
+        _expect(where, number, wire, _LEN)
+        if len(value) % 8:
+            raise InvalidRequest(f"{where}.sparse_csr", len(value), "index byte length must be a multiple of 8")
+        if number == 2:
+            crow = np.frombuffer(value, dtype=np.int64)
+        elif number == 3:
+            col = np.frombuffer(value, dtype=np.int64)
+    if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) \
+            or (len(crow) and (crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0))) \
+            or (len(col) and (col.min() < 0 or col.max() >= shape[1])):
+        raise InvalidRequest(f"{where}.sparse_csr", shape, "is not a valid CSR layout of a 2-D tensor")
+    dense = np.zeros(shape, dtype=values.dtype)
+    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+    dense[rows, col] = values
+    return dense.ravel()
+
+
+def _model_input(chunks: list[memoryview], where: str) -> ModelInput:
+    parts = []
+    for i, chunk in enumerate(chunks):
+        kind = None
+        for number, wire, value in _fields(chunk, f"{where}[{i}]"):
+            if number == 1:
+                _expect(f"{where}[{i}]", number, wire, _LEN)
+                kind = "encoded_text"
+                for n2, w2, v2 in _fields(value, f"{where}[{i}].encoded_text"):
+                    if n2 == 1:
+                        _expect(where, n2, w2, _LEN)
+                        if len(v2) % 4:
+                            raise InvalidRequest(f"{where}[{i}].tokens", len(v2), "byte length must be a multiple of 4")
+                        parts.append(bytes(v2))
+            elif number in (2, 3):
+                raise NotSupported(f"{where}[{i}]", "image" if number == 2 else "dmel",
+                                   "only encoded_text chunks are supported by rlengine")
+        if kind is None:
+            raise InvalidRequest(f"{where}[{i}]", "empty chunk", "a chunk must hold encoded_text")
+    raw = b"".join(parts)
+    if raw and int(np.frombuffer(raw, dtype=np.int32).min()) < 0:
+        raise InvalidRequest(where, int(np.frombuffer(raw, dtype=np.int32).min()), "token ids must be >= 0")
+    return ModelInput(tokens_raw=raw)
+
+
+def _datum(buf: memoryview, where: str) -> Datum:
+    chunks: list[memoryview] = []
+    inputs: dict[str, TensorData] = {}
+    for number, wire, value in _fields(buf, where):
+        if number == 1:
+            _expect(where, number, wire, _LEN)
+            chunks.append(value)
+        elif number == 2:
+            key, tensor_wire, tensor = _map_entry(value, wire, f"{where}.loss_fn_inputs")
+            if tensor is None or tensor_wire != _LEN:
+                raise InvalidRequest(f"{where}.loss_fn_inputs[{key!r}]", None, "missing tensor")
+            inputs[key] = _tensor(tensor, f"{where}.loss_fn_inputs[{key!r}]")
+        elif number in (3, 4):
+            raise NotSupported(f"{where}.{'model_input_spans' if number == 3 else 'loss_fn_input_spans'}",
+                               "provenance spans", "not supported by rlengine")
+    return Datum(model_input=_model_input(chunks, f"{where}.model_input"), loss_fn_inputs=inputs)
+
+
+def decode_forward_backward_request(body: bytes) -> FwdBwdRequest:
+    """Decode a protobuf ``ForwardBackwardRequest`` body."""
+    where = "ForwardBackwardRequest"
+    buf = memoryview(body)
+    model_id, seq_id, loss_fn, forward_only = "", 0, "", False
+    data: list[Datum] = []
+    legacy: dict[str, float] = {}
+    config: dict[str, float | str] = {}
+    for number, wire, value in _fields(buf, where):
+        if number == 1:
+            _expect(where, number, wire, _LEN)
+            model_id = _text(value, f"{where}.model_id")
+        elif number == 2:
+            _expect(where, number, wire, _VARINT)
+            seq_id = _signed(value)
+        elif number == 3:
+            _expect(where, number, wire, _LEN)
+            data.append(_datum(value, f"{where}.data[{len(data)}]"))
+        elif number == 4:
+            _expect(where, number, wire, _LEN)
+            loss_fn = _text(value, f"{where}.loss_fn")
+        elif number == 5:
+            key, w, v = _map_entry(value, wire, f"{where}.loss_fn_config")
+            if v is None:
+                legacy[key] = 0.0
+            else:
+                _expect(f"{where}.loss_fn_config[{key!r}]", 2, w, _I64)
+                legacy[key] = _DOUBLE.unpack(v)[0]
+        elif number == 6:
+            _expect(where, number, wire, _VARINT)
+            forward_only = bool(value)
+        elif number == 7:
+            key, w, v = _map_entry(value, wire, f"{where}.loss_fn_config_v2")
+            if v is not None:
+                _expect(f"{where}.loss_fn_config_v2[{key!r}]", 2, w, _LEN)
+            config[key] = _config_value(v, f"{where}.loss_fn_config_v2[{key!r}]")
+    # v2 carries everything v1 does (plus strings); old clients send only v1.
+    merged: dict[str, float | str] = {**legacy, **config}
+    return FwdBwdRequest(model_id, seq_id, data, loss_fn, merged or None, forward_only)
+
+
+def _config_value(buf: memoryview | None, where: str) -> float | str:
+    if buf is None:
+        raise InvalidRequest(where, None, "missing value")
+    for number, wire, value in _fields(buf, where):
+        if number == 1 and wire == _I64:
+            return _DOUBLE.unpack(value)[0]
+        if number == 2 and wire == _LEN:
+            return _text(value, where)
+    raise InvalidRequest(where, "empty", "needs a number or a text value")
+
+
+# -- writing --------------------------------------------------------------------------
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    value &= (1 << 64) - 1
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _put_len(out: bytearray, number: int, payload: bytes | bytearray) -> None:
+    _put_varint(out, (number << 3) | _LEN)
+    _put_varint(out, len(payload))
+    out += payload
+
+
+def _put_int(out: bytearray, number: int, value: int) -> None:
+    _put_varint(out, (number << 3) | _VARINT)
+    _put_varint(out, value)
+
+
+def _put_double(out: bytearray, number: int, value: float) -> None:
+    _put_varint(out, (number << 3) | _I64)
+    out += _DOUBLE.pack(value)
+
+
+def encode_sample_response(response: SampleResponse, prompt_logprobs_last_n: int | None = None) -> bytes:
+    """A ``SampleResponse`` as protobuf: tokens int32, logprobs float32, prompt logprobs with
+    NaN where none was computed (the first token, and before the last ``prompt_logprobs_last_n``)."""
+    out = bytearray()
+    for seq in response.sequences:
+        reason = _STOP_REASON.get(seq.stop_reason)
+        if reason is None:
+            raise InvalidRequest("stop_reason", seq.stop_reason, "has no Tinker wire value (stop, length)")
+        msg = bytearray()
+        _put_int(msg, 1, reason)
+        _put_len(msg, 2, seq.tokens_raw)
+        _put_len(msg, 3, seq.logprobs_raw)
+        _put_len(out, 1, msg)
+    raw = response.prompt_logprobs_raw
+    if raw is not None:
+        values = np.concatenate([np.full(1, np.nan, dtype=np.float32), np.frombuffer(raw, dtype=np.float32)])
+        if prompt_logprobs_last_n is not None:
+            values[:max(0, len(values) - prompt_logprobs_last_n)] = np.nan
+        _put_len(out, 2, values.tobytes())
+    return bytes(out)
+
+
+def _batched(arrays: list[np.ndarray], dtype: int) -> bytes:
+    msg = bytearray()
+    data = b"".join(a.tobytes() for a in arrays)
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.nbytes for a in arrays], out=offsets[1:])
+    _put_len(msg, 1, data)
+    _put_len(msg, 2, offsets.tobytes())
+    _put_int(msg, 3, dtype)
+    return bytes(msg)
+
+
+def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
+    """A ``ForwardBackwardOutput`` as protobuf: one ``ArrayRecord`` batching every datum's fields."""
+    out = bytearray()
+    _put_len(out, 1, output.loss_fn_output_type.encode())
+    outputs = output.loss_fn_outputs
+    if outputs:
+        record = bytearray()
+        for name in outputs[0]:
+            arrays = [o[name].to_numpy().ravel() for o in outputs]
+            dtype = _DTYPE_FLOAT32 if outputs[0][name].dtype == "float32" else _DTYPE_INT64
+            entry = bytearray()
+            _put_len(entry, 1, name.encode())
+            _put_len(entry, 2, _batched(arrays, dtype))
+            _put_len(record, 2, entry)
+        _put_int(record, 3, len(outputs))
+        _put_len(out, 2, record)
+    for key, value in output.metrics.items():
+        entry = bytearray()
+        _put_len(entry, 1, key.encode())
+        _put_double(entry, 2, float(value))
+        _put_len(out, 3, entry)
+    return bytes(out)

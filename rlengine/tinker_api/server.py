@@ -1,0 +1,320 @@
+"""The Tinker REST API over HTTP, on the engine's own loop (aiohttp's AppRunner): ``start`` / ``start_async``.
+
+The official ``tinker`` SDK (0.38) and the Tinker cookbook drive a local
+rlengine through it unchanged (``base_url`` = ``TinkerServer.url``)::
+
+    with rle.Engine(rle.EngineConfig(model="tiny")) as engine:       # engine owns its loop thread
+        server = rlengine.tinker_api.start(engine)
+        client = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
+        ...
+        server.close()
+
+    async with rle.Engine(cfg) as engine:                            # on your loop
+        server = await rlengine.tinker_api.start_async(engine)
+
+Served under ``/api/v1``: ``client/config``, ``client/dynamic_config``,
+``create_session``, ``session_heartbeat``, ``sessions/{id}/finish``,
+``get_server_capabilities``, ``healthz``, ``create_model``, ``get_info``,
+``unload_model``, ``forward_backward`` (protobuf or JSON), ``forward``,
+``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
+``load_weights``, ``create_sampling_session``, ``join_sampling_session``,
+``samplers/{id}``, ``asample``, ``retrieve_future``, ``retrieve_futures``,
+``cancel_future`` and ``telemetry`` (accepted and dropped: a local server
+collects no analytics). Any other path answers 404 ``not_supported``
+naming it (custom losses, weight copies, external exports, checkpoint
+listings, billing and auth-token exchange are Tinker-service features
+rlengine does not have).
+
+Auth: the SDK sends ``X-API-Key``. Without a configured ``api_key`` any key
+is accepted (loopback only, see ``TinkerServerConfig``) and identifies the
+caller: sessions and all they own belong to the key that created them.
+With one, every request must carry it. Errors have the JSON shape of
+``errors.error_body``; an oversized body is a 413 naming the limit.
+
+This module translates HTTP to ``TinkerService`` calls; it never creates a
+loop and never blocks the one it runs on (large protobuf bodies decode in a
+worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from rlengine.engine import Engine
+from rlengine.errors import InvalidRequest, RLEngineError
+from rlengine.tinker_api import wire
+from rlengine.tinker_api.config import TinkerServerConfig
+from rlengine.tinker_api.errors import (
+    NotSupported,
+    PayloadTooLarge,
+    Unauthorized,
+    UnknownEndpoint,
+    error_body,
+    http_status,
+)
+from rlengine.tinker_api.proto import FwdBwdRequest, decode_forward_backward_request
+from rlengine.tinker_api.service import TinkerService
+
+__all__ = ["TinkerServer", "start", "start_async"]
+
+log = logging.getLogger("rlengine.tinker_api")
+
+_PREFIX = "/api/v1"
+# Protobuf bodies above this decode in a worker thread instead of on the loop.
+_THREAD_DECODE_BYTES = 1 << 20
+_START_TIMEOUT_S = 60.0
+_json = msgspec.json.Encoder()
+_OWNER = web.RequestKey("owner", str)
+"""The caller's identity (a digest of its API key), set by the guard for every handler."""
+
+
+def _json_response(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(value), status=status, content_type="application/json")
+
+
+def _owner(key: str) -> str:
+    """Who a key is, without keeping the key: a digest."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class TinkerServer:
+    """The HTTP server and its ``TinkerService`` on one engine's loop."""
+
+    def __init__(self, engine: Engine, config: TinkerServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or TinkerServerConfig()
+        self.service: TinkerService | None = None
+        self.url: str | None = None
+        """``http://host:port``: the SDK's ``base_url``."""
+        self._runner: web.AppRunner | None = None
+        self._decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+    # -- lifecycle (engine loop) ------------------------------------------------------------
+
+    async def start_async(self) -> TinkerServer:
+        loop = asyncio.get_running_loop()
+        if loop is not self.engine.loop:
+            raise RLEngineError("TinkerServer.start_async: must run on the engine's loop "
+                                "(use rlengine.tinker_api.start(engine) from another thread)")
+        self.service = TinkerService(self.engine, self.config)
+        self.service.start()
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._guard])
+        app.add_routes(self._routes())
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        return self
+
+    async def aclose(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop serving (from any thread but the engine's loop thread)."""
+        if self._runner is None:
+            return
+        loop = self.engine.loop
+        if loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(timeout)
+
+    # -- middleware ---------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+        try:
+            given = request.headers.get("X-API-Key")
+            if given is None and request.headers.get("Authorization", "").startswith("Bearer "):
+                given = request.headers["Authorization"][7:]
+            secret = self.config.api_key
+            if secret is not None and not hmac.compare_digest((given or "").encode(), secret.encode()):
+                raise Unauthorized("X-API-Key", "***" if given else None, "missing or wrong API key")
+            request[_OWNER] = _owner(given or "")
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            exc: BaseException = PayloadTooLarge("body", request.content_length,
+                                                 f"exceeds max_body_bytes={self.config.max_body_bytes}")
+        except web.HTTPException as http_exc:
+            if http_exc.status == 405:
+                exc = UnknownEndpoint("path", f"{request.method} {request.path}", "method not served here")
+            else:
+                raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure becomes a typed error body
+            exc = err
+        status, _ = http_status(exc)
+        return _json_response(error_body(exc), status)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _decode(self, body: bytes, kind: type) -> Any:
+        decoder = self._decoders.get(kind)
+        if decoder is None:
+            decoder = self._decoders[kind] = msgspec.json.Decoder(kind)
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest("body", kind.__name__, str(exc)) from None
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest("body", "malformed JSON", str(exc)) from None
+
+    async def _body(self, request: web.Request) -> bytes:
+        if request.headers.get("Content-Encoding", "identity") not in ("identity", ""):
+            raise NotSupported("Content-Encoding", request.headers["Content-Encoding"],
+                               "request bodies must not be compressed (proto_compress_fwdbwd is off)")
+        return await request.read()
+
+    def _call(self, kind: type, method: Callable[[str, Any], Any]) -> Callable[[web.Request], Awaitable[Any]]:
+        """A POST handler: decode ``kind`` from JSON, ``method(owner, body)``, answer its result as JSON."""
+
+        async def handle(request: web.Request) -> web.Response:
+            body = self._decode(await self._body(request), kind)
+            return _json_response(method(request[_OWNER], body))
+
+        return handle
+
+    @property
+    def _svc(self) -> TinkerService:
+        assert self.service is not None
+        return self.service
+
+    # -- routes ---------------------------------------------------------------------------
+
+    def _routes(self) -> list[web.AbstractRouteDef]:
+        svc = self._svc
+        post, get = web.post, web.get
+        p = _PREFIX
+        return [
+            post(f"{p}/client/config", self._client_config),
+            post(f"{p}/client/dynamic_config",
+                 self._call(wire.ClientConfigRequest, lambda o, b: svc.dynamic_config())),
+            get(f"{p}/healthz", self._healthz),
+            get(f"{p}/get_server_capabilities", self._capabilities),
+            post(f"{p}/telemetry", self._telemetry),
+            post(f"{p}/create_session", self._call(wire.CreateSessionRequest, svc.create_session)),
+            post(f"{p}/session_heartbeat", self._call(wire.SessionHeartbeatRequest, svc.heartbeat)),
+            post(f"{p}/sessions/{{session_id}}/finish", self._finish_session),
+            post(f"{p}/create_model", self._call(wire.CreateModelRequest, svc.create_model)),
+            post(f"{p}/get_info", self._call(wire.GetInfoRequest, svc.get_info)),
+            post(f"{p}/unload_model", self._call(wire.UnloadModelRequest, svc.unload_model)),
+            post(f"{p}/forward_backward", self._forward_backward),
+            post(f"{p}/forward", self._forward),
+            post(f"{p}/optim_step", self._call(wire.OptimStepRequest, svc.optim_step)),
+            post(f"{p}/save_weights", self._call(wire.SaveWeightsRequest, svc.save_weights)),
+            post(f"{p}/save_weights_for_sampler",
+                 self._call(wire.SaveWeightsForSamplerRequest, svc.save_weights_for_sampler)),
+            post(f"{p}/load_weights", self._call(wire.LoadWeightsRequest, svc.load_weights)),
+            post(f"{p}/create_sampling_session",
+                 self._call(wire.CreateSamplingSessionRequest, svc.create_sampling_session)),
+            post(f"{p}/join_sampling_session",
+                 self._call(wire.JoinSamplingSessionRequest, svc.join_sampling_session)),
+            get(f"{p}/samplers/{{sampler_id}}", self._get_sampler),
+            post(f"{p}/asample", self._call(wire.SampleRequest, svc.asample)),
+            post(f"{p}/retrieve_future", self._retrieve_future),
+            post(f"{p}/retrieve_futures", self._retrieve_futures),
+            post(f"{p}/cancel_future", self._call(wire.CancelFutureRequest, svc.cancel)),
+            web.route("*", "/{tail:.*}", self._unknown),
+        ]
+
+    async def _client_config(self, request: web.Request) -> web.Response:
+        self._decode(await self._body(request), wire.ClientConfigRequest)
+        response = _json_response(self._svc.client_config())
+        # The SDK fetches this once through a throwaway connection pool it never
+        # closes: closing the connection from here frees the socket at once.
+        response.force_close()
+        return response
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return _json_response({"status": "ok"})
+
+    async def _capabilities(self, _request: web.Request) -> web.Response:
+        return _json_response(self._svc.capabilities())
+
+    async def _telemetry(self, request: web.Request) -> web.Response:
+        await request.read()
+        return _json_response({"status": "accepted"})
+
+    async def _finish_session(self, request: web.Request) -> web.Response:
+        await request.read()
+        self._svc.finish_session(request[_OWNER], request.match_info["session_id"])
+        return _json_response(None)
+
+    async def _get_sampler(self, request: web.Request) -> web.Response:
+        return _json_response(self._svc.get_sampler(request[_OWNER], request.match_info["sampler_id"]))
+
+    async def _fwdbwd_request(self, request: web.Request, forward_only: bool) -> FwdBwdRequest:
+        body = await self._body(request)
+        if "application/x-protobuf" in request.headers.get("Content-Type", ""):
+            if len(body) > _THREAD_DECODE_BYTES:
+                decoded = await asyncio.to_thread(decode_forward_backward_request, body)
+            else:
+                decoded = decode_forward_backward_request(body)
+            return decoded._replace(forward_only=decoded.forward_only or forward_only)
+        req = self._decode(body, wire.ForwardBackwardJsonRequest)
+        fb = req.forward_backward_input
+        data = [wire.datum(d, f"forward_backward_input.data[{i}]") for i, d in enumerate(fb.data)]
+        return FwdBwdRequest(req.model_id, req.seq_id, data, fb.loss_fn, fb.loss_fn_config,
+                             req.forward_only or forward_only)
+
+    async def _forward_backward(self, request: web.Request) -> web.Response:
+        decoded = await self._fwdbwd_request(request, forward_only=False)
+        return _json_response(self._svc.forward_backward(request[_OWNER], decoded))
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        decoded = await self._fwdbwd_request(request, forward_only=True)
+        return _json_response(self._svc.forward_backward(request[_OWNER], decoded))
+
+    async def _retrieve_future(self, request: web.Request) -> web.Response:
+        body = self._decode(await self._body(request), wire.FutureRetrieveRequest)
+        want_proto = "application/x-protobuf" in request.headers.get("Accept", "")
+        content_type, data = await self._svc.retrieve(request[_OWNER], body, want_proto)
+        return web.Response(body=data, content_type=content_type)
+
+    async def _retrieve_futures(self, request: web.Request) -> web.Response:
+        body = self._decode(await self._body(request), wire.FuturesRetrieveRequest)
+        return _json_response(await self._svc.retrieve_many(request[_OWNER], body))
+
+    async def _unknown(self, request: web.Request) -> web.Response:
+        raise UnknownEndpoint("path", f"{request.method} {request.path}",
+                              "not supported by rlengine (this Tinker endpoint is not served by a local engine)")
+
+
+async def start_async(engine: Engine, config: TinkerServerConfig | None = None) -> TinkerServer:
+    """Serve the Tinker API for ``engine``; call on the engine's loop (async mode, or a coroutine on it)."""
+    return await TinkerServer(engine, config).start_async()
+
+
+def start(engine: Engine, config: TinkerServerConfig | None = None, timeout: float = _START_TIMEOUT_S) -> TinkerServer:
+    """Serve the Tinker API for an engine that owns its loop thread; returns once listening.
+
+    Thread-safe; never call it on the engine's loop thread (use ``start_async`` there).
+    """
+    loop = engine.loop
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        raise RLEngineError("rlengine.tinker_api.start: called on the engine's loop thread; await start_async")
+    server = TinkerServer(engine, config)
+    return asyncio.run_coroutine_threadsafe(server.start_async(), loop).result(timeout)

@@ -1,0 +1,330 @@
+"""The JSON bodies of the Tinker REST API (tinker 0.38) as msgspec Structs, and their conversions.
+
+Each request body the server accepts has a Struct here, with the fields
+rlengine reads; unknown fields are ignored (newer SDKs add some), and a
+missing or mistyped field fails decoding with a message naming it. The
+converters turn wire values into rlengine's own types (``ModelInput``,
+``SamplingParams``, ``Datum``, ``AdamParams``), raising ``InvalidRequest``
+(or ``NotSupported`` for features rlengine lacks, such as image chunks) with
+the field path.
+
+Results go out as JSON through ``sample_response_json`` and
+``forward_backward_json`` when a client does not ask for protobuf (the SDK
+always does; see ``proto``). This module holds no state and must not touch
+the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from rlengine.errors import InvalidRequest
+from rlengine.tinker_api.errors import NotSupported
+from rlengine.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    SampleResponse,
+    SamplingParams,
+    TensorData,
+    int32_bytes,
+)
+
+__all__ = [
+    "AdamParamsWire", "CancelFutureRequest", "ClientConfigRequest", "CreateModelRequest",
+    "CreateSamplingSessionRequest", "CreateSessionRequest", "ForwardBackwardJsonRequest", "FutureRetrieveRequest",
+    "FuturesRetrieveRequest", "GetInfoRequest", "JoinSamplingSessionRequest", "LoadWeightsRequest", "LoraConfigWire",
+    "OptimStepRequest", "SampleRequest", "SaveWeightsForSamplerRequest", "SaveWeightsRequest",
+    "SessionHeartbeatRequest", "UnloadModelRequest", "adam_params", "datum", "forward_backward_json", "model_input",
+    "sample_response_json", "sampling_params",
+]
+
+
+class _Body(msgspec.Struct, kw_only=True, frozen=True):
+    """A request body: unknown fields are ignored, known ones are type-checked."""
+
+
+class ClientConfigRequest(_Body):
+    sdk_version: str | None = None
+
+
+class CreateSessionRequest(_Body):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionHeartbeatRequest(_Body):
+    session_id: str
+
+
+class CreateSamplingSessionRequest(_Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class JoinSamplingSessionRequest(_Body):
+    sampling_session_id: str
+
+
+class LoraConfigWire(_Body):
+    rank: int
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfigWire(_Body):
+    type: str = "adamw"
+
+
+class CreateModelRequest(_Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigWire | None = None
+    optimizer_config: OptimizerConfigWire | None = None
+
+
+class GetInfoRequest(_Body):
+    model_id: str
+
+
+class UnloadModelRequest(_Body):
+    model_id: str
+
+
+class AdamParamsWire(_Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStepRequest(_Body):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParamsWire | None = None
+    optim_params: AdamParamsWire | None = None
+    optimizer_params: dict[str, Any] | None = None
+    """Parameters of a non-Adam optimizer family (Dimuon): not supported by rlengine."""
+
+
+class SaveWeightsRequest(_Body):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerRequest(_Body):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeightsRequest(_Body):
+    path: str
+    optimizer: bool
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfigWire | None = None
+    weights_access_token: str | None = None
+
+
+class EncodedTextChunk(_Body, tag_field="type", tag="encoded_text"):
+    tokens: list[int]
+
+
+class ImageChunk(_Body, tag_field="type", tag="image"):
+    pass
+
+
+class ImageAssetPointerChunk(_Body, tag_field="type", tag="image_asset_pointer"):
+    pass
+
+
+class DmelChunk(_Body, tag_field="type", tag="dmel"):
+    pass
+
+
+class ModelInputWire(_Body):
+    chunks: list[EncodedTextChunk | ImageChunk | ImageAssetPointerChunk | DmelChunk]
+
+
+class SamplingParamsWire(_Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str | int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class SampleRequest(_Body):
+    prompt: ModelInputWire
+    sampling_params: SamplingParamsWire
+    num_samples: int = 1
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+
+
+class TensorDataWire(_Body):
+    data: list[int | float]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
+class DatumWire(_Body):
+    model_input: ModelInputWire
+    loss_fn_inputs: dict[str, TensorDataWire]
+
+
+class ForwardBackwardInputWire(_Body):
+    data: list[DatumWire]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None = None
+
+
+class ForwardBackwardJsonRequest(_Body):
+    """``forward_backward`` (and ``forward``) as JSON, for clients that do not send protobuf."""
+
+    forward_backward_input: ForwardBackwardInputWire
+    model_id: str
+    seq_id: int | None = None
+    forward_only: bool = False
+
+
+class FutureRetrieveRequest(_Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class FuturesTarget(_Body):
+    sampling_session_id: str
+    type: str = "sampling_session"
+    cloned_sampler_id: int = 0
+
+
+class FuturesRetrieveRequest(_Body):
+    target: FuturesTarget
+    prev_cursor: int = 0
+    timeout: float | None = None
+    retrieved_request_ids: list[str] = []
+
+
+class CancelFutureRequest(_Body):
+    request_id: str
+
+
+# -- wire -> rlengine ----------------------------------------------------------------------
+
+
+def model_input(wire: ModelInputWire, field: str) -> ModelInput:
+    """Token chunks concatenated into one ``ModelInput``; other chunk kinds are not supported."""
+    parts = []
+    for i, chunk in enumerate(wire.chunks):
+        if not isinstance(chunk, EncodedTextChunk):
+            raise NotSupported(f"{field}.chunks[{i}].type", type(chunk).__struct_config__.tag,
+                               "only encoded_text chunks are supported by rlengine")
+        parts.append(int32_bytes(f"{field}.chunks[{i}].tokens", chunk.tokens))
+    return ModelInput(tokens_raw=b"".join(parts))
+
+
+def sampling_params(wire: SamplingParamsWire) -> SamplingParams:
+    """Tinker's ``stop=[]`` (no stop tokens, not even EOS) is rlengine's ``ignore_eos=True``."""
+    stop = wire.stop
+    ignore_eos = isinstance(stop, list) and not stop
+    return SamplingParams(max_tokens=wire.max_tokens, seed=wire.seed, stop=None if ignore_eos else stop,
+                          temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p, ignore_eos=ignore_eos)
+
+
+def adam_params(wire: AdamParamsWire) -> AdamParams:
+    return AdamParams(learning_rate=wire.learning_rate, beta1=wire.beta1, beta2=wire.beta2, eps=wire.eps,
+                      weight_decay=wire.weight_decay, grad_clip_norm=wire.grad_clip_norm)
+
+
+_DTYPES = {"int64": np.int64, "float32": np.float32}
+
+
+def _tensor(wire: TensorDataWire, field: str) -> TensorData:
+    np_dtype = _DTYPES.get(wire.dtype)
+    if np_dtype is None:
+        raise InvalidRequest(f"{field}.dtype", wire.dtype, "must be 'int64' or 'float32'")
+    try:
+        values = np.asarray(wire.data, dtype=np_dtype)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidRequest(f"{field}.data", "values", f"not representable as {wire.dtype} ({exc})") from None
+    shape = wire.shape if wire.shape is not None else [values.size]
+    if wire.sparse_crow_indices is not None:
+        crow = np.asarray(wire.sparse_crow_indices, dtype=np.int64)
+        col = np.asarray(wire.sparse_col_indices or [], dtype=np.int64)
+        if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != values.size or (len(crow) and (
+                crow[0] != 0 or crow[-1] != values.size or np.any(np.diff(crow) < 0))) \
+                or (len(col) and (col.min() < 0 or col.max() >= shape[1])):
+            raise InvalidRequest(f"{field}.sparse_crow_indices", shape, "is not a valid CSR layout of a 2-D tensor")
+        dense = np.zeros(shape, dtype=np_dtype)
+        dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
+        values = dense
+    if any(d < 0 for d in shape) or math.prod(shape) != values.size:
+        raise InvalidRequest(f"{field}.shape", shape, f"does not match its {values.size} values")
+    return TensorData.from_numpy(values.reshape(shape))
+
+
+def datum(wire: DatumWire, field: str) -> Datum:
+    return Datum(model_input=model_input(wire.model_input, f"{field}.model_input"),
+                 loss_fn_inputs={k: _tensor(v, f"{field}.loss_fn_inputs[{k!r}]") for k, v in wire.loss_fn_inputs.items()})
+
+
+# -- rlengine -> wire (JSON results) ----------------------------------------------------------
+
+
+def sample_response_json(response: SampleResponse, prompt_logprobs_last_n: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "sample", "sequences": [
+        {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs} for s in response.sequences]}
+    if response.prompt_logprobs is not None:
+        values = list(response.prompt_logprobs)
+        if prompt_logprobs_last_n is not None:
+            values[:max(0, len(values) - prompt_logprobs_last_n)] = [None] * max(0, len(values) - prompt_logprobs_last_n)
+        out["prompt_logprobs"] = values
+    return out
+
+
+def forward_backward_json(output: ForwardBackwardOutput) -> dict[str, Any]:
+    return {"loss_fn_output_type": output.loss_fn_output_type, "metrics": output.metrics,
+            "loss_fn_outputs": [{k: {"data": v.data, "dtype": v.dtype, "shape": v.shape} for k, v in o.items()}
+                                for o in output.loss_fn_outputs]}

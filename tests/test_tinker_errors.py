@@ -1,0 +1,293 @@
+"""Bad input against the Tinker API server, over raw HTTP: typed errors, and the server keeps serving.
+
+Malformed JSON and protobuf bodies, unknown ids, another API key's sessions
+and futures, oversized bodies, endpoints and features rlengine does not
+serve, a missing shared secret, full tables and limits: each answers its
+status with a body naming the field and value, and ``healthz`` still
+answers afterwards. Also the server-side mechanics a well-behaved SDK never
+exercises: ``seq_id`` ordering of calls that arrive out of order, replayed
+calls, cancellation, try-again long polls, expiring sessions and futures.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+import rlengine as rle
+from rlengine.errors import ConfigurationError
+from rlengine.tinker_api import TinkerServerConfig, start
+from rlengine.tinker_api.futures import CompletionLog, FuturesTable
+
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.slow
+
+KEY_A, KEY_B = "tml-key-a", "tml-key-b"
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def engine(engine_config):
+    with rle.Engine(engine_config("torch")) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tinker-errors-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def url(engine, ckpt_dir):
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2))
+    yield server.url
+    server.close()
+
+
+def call(base: str, path: str, body=None, *, key: str | None = KEY_A, raw: bytes | None = None,
+         headers: dict[str, str] | None = None, method: str = "POST") -> httpx.Response:
+    hdrs = {"X-API-Key": key} if key is not None else {}
+    hdrs.update(headers or {})
+    content = raw if raw is not None else (None if body is None else msgspec.json.encode(body))
+    if content is not None:
+        hdrs.setdefault("Content-Type", "application/json")
+    return httpx.request(method, f"{base}/api/v1/{path}", content=content, headers=hdrs, timeout=TIMEOUT)
+
+
+def error(response: httpx.Response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()["error"]
+    assert body["code"] == code, body
+    assert body["message"]
+    return body
+
+
+def healthy(base: str) -> None:
+    assert call(base, "healthz", method="GET").json() == {"status": "ok"}
+
+
+def session(base: str, key: str = KEY_A) -> str:
+    return call(base, "create_session", {"tags": [], "user_metadata": None, "sdk_version": "test"}, key=key
+                ).json()["session_id"]
+
+
+def result(base: str, request_id: str, key: str = KEY_A) -> dict:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        r = call(base, "retrieve_future", {"request_id": request_id}, key=key)
+        assert r.status_code == 200, r.text
+        if r.json().get("type") != "try_again":
+            return r.json()
+    raise AssertionError(f"{request_id} did not settle")
+
+
+def base_sampler(base: str, sid: str, seq: int = 0, key: str = KEY_A) -> str:
+    r = call(base, "create_sampling_session", {"session_id": sid, "sampling_session_seq_id": seq,
+                                               "base_model": "tiny"}, key=key)
+    assert r.status_code == 200, r.text
+    return r.json()["sampling_session_id"]
+
+
+def sample_body(ssid: str, seq: int, max_tokens: int = 4, **extra) -> dict:
+    return {"sampling_session_id": ssid, "seq_id": seq, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+            "sampling_params": {"max_tokens": max_tokens, "seed": 1, **extra.pop("params", {})}, **extra}
+
+
+def lora_model(base: str, sid: str, seq: int = 0) -> str:
+    r = call(base, "create_model", {"session_id": sid, "model_seq_id": seq, "base_model": "tiny",
+                                    "lora_config": {"rank": 4, "seed": 0}})
+    assert r.status_code == 200, r.text
+    assert result(base, r.json()["request_id"])["model_id"] == r.json()["model_id"]
+    return r.json()["model_id"]
+
+
+def test_malformed_bodies_are_typed_errors(url):
+    body = error(call(url, "create_session", raw=b"{not json"), 400, "invalid")
+    assert body["field"] == "body" and "malformed JSON" in body["value"]
+    body = error(call(url, "create_model", {"session_id": 5, "model_seq_id": 0, "base_model": "tiny"}), 400,
+                 "invalid")
+    assert "$.session_id" in body["message"]
+    sid = session(url)
+    body = error(call(url, "forward_backward", raw=b"\x0a\xff\xff\xff",
+                      headers={"Content-Type": "application/x-protobuf"}), 400, "invalid")
+    assert body["field"].startswith("ForwardBackwardRequest")
+    ssid = base_sampler(url, sid)
+    image = sample_body(ssid, 1)
+    image["prompt"] = {"chunks": [{"type": "image", "data": "AAAA", "format": "png"}]}
+    assert error(call(url, "asample", image), 400, "not_supported")["field"] == "prompt.chunks[0].type"
+    body = error(call(url, "asample", sample_body(ssid, 2, topk_sample_logprobs=3)), 400, "not_supported")
+    assert body["field"] == "topk_sample_logprobs" and body["value"] == 3
+    body = error(call(url, "asample", sample_body(ssid, 3, params={"temperature": -1.0})), 400, "invalid")
+    assert body["field"] == "temperature"
+    assert error(call(url, "asample", {**sample_body(ssid, 4), "prompt": {"chunks": [
+        {"type": "encoded_text", "tokens": [10**6]}]}}), 400, "invalid")["field"] == "prompt"
+    healthy(url)
+
+
+def test_unknown_ids_are_not_found(url):
+    sid = session(url)
+    assert error(call(url, "retrieve_future", {"request_id": "nope"}), 404, "not_found")["field"] == "request_id"
+    assert error(call(url, "get_info", {"model_id": f"{sid}:train:9"}), 404, "not_found")["field"] == "model_id"
+    assert error(call(url, "session_heartbeat", {"session_id": "nope"}), 404, "not_found")["field"] == "session_id"
+    body = error(call(url, "create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 0,
+                                                       "model_path": f"tinker://{sid}:train:0/sampler_weights/x"}),
+                 404, "not_found")
+    assert body["field"] == "path"
+    assert error(call(url, "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "gpt-9"}),
+                 404, "not_found")["field"] == "base_model"
+    healthy(url)
+
+
+def test_another_keys_sessions_models_and_futures_are_forbidden(url):
+    sid = session(url, KEY_A)
+    ssid = base_sampler(url, sid, key=KEY_A)
+    rid = call(url, "asample", sample_body(ssid, 1)).json()["request_id"]
+    assert error(call(url, "retrieve_future", {"request_id": rid}, key=KEY_B), 403, "forbidden")["value"] == rid
+    assert error(call(url, "session_heartbeat", {"session_id": sid}, key=KEY_B), 403, "forbidden")
+    assert error(call(url, "asample", sample_body(ssid, 2), key=KEY_B), 403, "forbidden")
+    assert error(call(url, "cancel_future", {"request_id": rid}, key=KEY_B), 403, "forbidden")
+    assert result(url, rid)["type"] == "sample"  # the owner still gets it (JSON: no protobuf Accept)
+    healthy(url)
+
+
+def test_unserved_endpoints_answer_not_supported(url):
+    for method, path in (("POST", "create_custom_loss"), ("POST", "save_weights_external"),
+                         ("GET", "training_runs"), ("POST", "auth/token"), ("GET", "no/such/thing")):
+        body = error(call(url, path, {}, method=method), 404, "not_supported")
+        assert path in body["value"]
+    sid = session(url)
+    body = error(call(url, "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                            "optimizer_config": {"type": "dimuon"}}), 400, "not_supported")
+    assert body["field"] == "optimizer_config.type"
+    healthy(url)
+
+
+def test_oversized_bodies_and_shared_secret(engine, ckpt_dir):
+    small = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_body_bytes=4096, api_key="tml-secret"))
+    try:
+        assert error(call(small.url, "healthz", key=None, method="GET"), 401, "unauthorized")
+        assert error(call(small.url, "create_session", {}, key="tml-wrong"), 401, "unauthorized")
+        body = error(call(small.url, "create_session", raw=b"[" + b"1," * 4000 + b"1]", key="tml-secret"), 413,
+                     "too_large")
+        assert body["field"] == "body" and "4096" in body["message"]
+        assert call(small.url, "healthz", key="tml-secret", method="GET").status_code == 200
+    finally:
+        small.close()
+    with pytest.raises(ConfigurationError, match="host="):
+        TinkerServerConfig(host="0.0.0.0")
+    with pytest.raises(ConfigurationError, match="max_futures"):
+        TinkerServerConfig(max_futures=0)
+
+
+def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
+    sid = session(url)
+    model_id = lora_model(url, sid)
+    fb = {"forward_backward_input": {"loss_fn": "cross_entropy", "data": [
+        {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [5, 9, 14, 20]}]},
+         "loss_fn_inputs": {"target_tokens": {"data": [9, 14, 20, 33], "dtype": "int64", "shape": [4]}}}]},
+          "model_id": model_id, "seq_id": 1}
+    # The optimizer step (seq 2) arrives first: it must wait for the gradients of seq 1.
+    step = call(url, "optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}})
+    first = call(url, "forward_backward", fb)
+    assert step.status_code == first.status_code == 200
+    assert call(url, "forward_backward", fb).json()["request_id"] == first.json()["request_id"]
+    grads = result(url, first.json()["request_id"])
+    assert grads["metrics"]["loss:sum"] > 0 and len(grads["loss_fn_outputs"][0]["logprobs"]["data"]) == 4
+    assert result(url, step.json()["request_id"])["metrics"]["grad_norm"] > 0
+    stale = call(url, "optim_step", {"model_id": model_id, "seq_id": 0, "adam_params": {}})
+    assert error(stale, 400, "invalid")["field"] == "seq_id"
+    bad = {**fb, "seq_id": 3}
+    bad["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"]["shape"] = [3]
+    assert error(call(url, "forward_backward", bad), 400, "invalid")["field"].endswith(".shape")
+    # The model limit of this server (max_models=2) is a typed error, not a hang.
+    other = session(url)
+    lora_model(url, other)
+    body = error(call(url, "create_model", {"session_id": other, "model_seq_id": 1, "base_model": "tiny"}),
+                 400, "limit_exceeded")
+    assert "max_models=2" in body["message"]
+    call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
+    call(url, f"sessions/{other}/finish", {"reason": {"type": "success"}})
+    assert error(call(url, "get_info", {"model_id": model_id}), 410, "gone")
+    healthy(url)
+
+
+def test_cancel_and_try_again(engine, ckpt_dir):
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, poll_timeout_s=0.2, max_futures=2))
+    try:
+        base = server.url
+        sid = session(base)
+        ssid = base_sampler(base, sid)
+        long = sample_body(ssid, 1, max_tokens=1500, params={"stop": []})
+        rid = call(base, "asample", long).json()["request_id"]
+        assert call(base, "retrieve_future", {"request_id": rid}).json() == {
+            "type": "try_again", "request_id": rid, "queue_state": "active"}
+        rid2 = call(base, "asample", {**long, "seq_id": 2}).json()["request_id"]
+        body = error(call(base, "asample", {**long, "seq_id": 3}), 429, "overloaded")
+        assert "max_futures=2" in body["message"]
+        for r in (rid, rid2):
+            assert call(base, "cancel_future", {"request_id": r}).status_code == 200
+            failed = result(base, r)
+            assert failed["category"] == "user" and failed["error"].startswith("RequestAborted")
+        healthy(base)
+    finally:
+        server.close()
+
+
+def test_sessions_without_heartbeat_expire(engine, ckpt_dir):
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, session_ttl_s=0.3, sweep_interval_s=0.05))
+    try:
+        sid = session(server.url)
+        ssid = base_sampler(server.url, sid)
+        time.sleep(1.0)
+        assert "heartbeat" in error(call(server.url, "session_heartbeat", {"session_id": sid}), 410, "gone")["message"]
+        assert error(call(server.url, "asample", sample_body(ssid, 1)), 410, "gone")["field"] == "sampling_session_id"
+    finally:
+        server.close()
+
+
+def test_futures_table_expires_and_bounds_entries():
+    table = FuturesTable(max_entries=2, ttl_s=0.05)
+    render = lambda value, proto: ("application/json", b"null")
+    done = table.add("t", "me", render)
+    done.future.set_result(None)
+    table.add("t", "me", render)
+    time.sleep(0.1)
+    # Full of one pending and one expired entry: the expired one makes room.
+    third = table.add("t", "me", render)
+    with pytest.raises(LookupError, match="expired"):
+        table.get(done.request_id, "me")
+    with pytest.raises(PermissionError):
+        table.get(third.request_id, "someone else")
+    with pytest.raises(RuntimeError, match="max_futures=2"):
+        table.add("t", "me", render)
+
+    log = CompletionLog()
+    log.record("a", "finished")
+    log.record("b", "failed")
+    events, cursor = log.after(0)
+    assert events == [("a", "finished"), ("b", "failed")] and cursor == 2
+    log.acknowledge(1)
+    assert log.after(1) == ([("b", "failed")], 2)
+
+
+def test_the_sim_backend_samples_but_does_not_train(engine_config, ckpt_dir):
+    """The control plane runs on the sim backend (no torch); training needs a model backend, and says so."""
+    with rle.Engine(engine_config("sim")) as sim:
+        server = start(sim, TinkerServerConfig(checkpoint_dir=ckpt_dir))
+        try:
+            caps = call(server.url, "get_server_capabilities", method="GET").json()["supported_models"]
+            assert caps and not any(m["trainable"] for m in caps)
+            sid = session(server.url)
+            body = error(call(server.url, "create_model", {"session_id": sid, "model_seq_id": 0,
+                                                           "base_model": sim.model_name}), 400, "not_supported")
+            assert body["field"] == "backend" and body["value"] == "sim"
+            ssid = call(server.url, "create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 0,
+                                                                "base_model": sim.model_name}).json()["sampling_session_id"]
+            rid = call(server.url, "asample", sample_body(ssid, 1, max_tokens=5)).json()["request_id"]
+            assert [len(s["tokens"]) for s in result(server.url, rid)["sequences"]] == [5]
+        finally:
+            server.close()
