@@ -29,10 +29,10 @@ from rlengine.types import SamplingParams
 __all__ = ["continuous_vs_wave", "control_plane_overhead", "run_all"]
 
 
-def _direct_sim(cfg: SimConfig, prompts: list[bytes], params: SamplingParams) -> float:
-    """Drive a SimBackend by hand, keeping outputs as the engine does; seconds."""
+def _direct_sim(cfg: SimConfig, prompts: list[bytes], params: SamplingParams) -> tuple[float, float]:
+    """Drive a SimBackend by hand, keeping outputs as the engine does; (wall, CPU) seconds."""
     backend = SimBackend(cfg)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     acc: dict[str, tuple[array, array]] = {}
     for i, p in enumerate(prompts):
         rid = f"d{i}"
@@ -44,18 +44,19 @@ def _direct_sim(cfg: SimConfig, prompts: list[bytes], params: SamplingParams) ->
             toks, lps = acc[out.request_id]
             toks.extend(out.token_ids)
             lps.extend(out.logprobs)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _engine_sim(engine: Engine, prompts: list[bytes], params: SamplingParams) -> float:
+def _engine_sim(engine: Engine, prompts: list[bytes], params: SamplingParams) -> tuple[float, float]:
+    """The same requests through the engine from a user thread; (wall, CPU of all threads) seconds."""
     from rlengine.types import ModelInput
 
     inputs = [ModelInput(tokens_raw=p) for p in prompts]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     futures = [engine.sample(m, 1, params) for m in inputs]
     for f in futures:
         f.result(60)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def control_plane_overhead(n_requests: int = 1000, gen_len: int = 8, rounds: int = 7) -> dict[str, Any]:
@@ -69,13 +70,15 @@ def control_plane_overhead(n_requests: int = 1000, gen_len: int = 8, rounds: int
         for _ in range(rounds):
             direct_s.append(_direct_sim(cfg, prompts, params))
             engine_s.append(_engine_sim(engine, prompts, params))
-    e, d = statistics.median(engine_s), statistics.median(direct_s)
+    e, d = statistics.median(w for w, _ in engine_s), statistics.median(w for w, _ in direct_s)
+    ec, dc = statistics.median(c for _, c in engine_s), statistics.median(c for _, c in direct_s)
     return {
         "n_requests": n_requests,
         "gen_len": gen_len,
         "engine_ms": e * 1e3,
         "direct_backend_ms": d * 1e3,
         "overhead_us_per_request": (e - d) / n_requests * 1e6,
+        "overhead_cpu_us_per_request": (ec - dc) / n_requests * 1e6,
         "engine_us_per_request": e / n_requests * 1e6,
         "target_us_per_request": 15.0,
     }

@@ -70,7 +70,9 @@ class Engine:
         self._compute: ComputeThread | None = None
         self._sampler: SamplerLoop | None = None
         self._serve_task: asyncio.Task[None] | None = None
-        self._inbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        # Work handed in from other threads: queued items themselves (the hot
+        # path, no wrapper allocated) or (function, args) calls.
+        self._inbox: deque[Item | tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._wake_pending = False
         self._ids = itertools.count(1)
         self._abort_cb = self.abort
@@ -254,11 +256,11 @@ class Engine:
         error = dead or EngineClosed("the engine is closed")
         while self._inbox:
             try:
-                fn, args = self._inbox.popleft()
+                entry = self._inbox.popleft()
             except IndexError:
                 return
-            if fn is self._enqueue:
-                args[0].future.set_exception(error)
+            if type(entry) is not tuple:
+                entry.future.set_exception(error)
 
     # -- thread-safe hand-over to the loop ---------------------------------------------
 
@@ -267,7 +269,10 @@ class Engine:
         if threading.get_ident() == self._loop_ident:
             fn(*args)
             return
-        self._inbox.append((fn, args))
+        self._hand_in((fn, args))
+
+    def _hand_in(self, entry: Item | tuple[Callable[..., None], tuple[Any, ...]]) -> None:
+        self._inbox.append(entry)
         if self._state in ("closed", "dead") and (self._loop is None or not self._loop.is_running()):
             self._fail_inbox()
             return
@@ -283,13 +288,14 @@ class Engine:
         # point schedules another drain, so nothing is left behind.
         self._wake_pending = False
         inbox = self._inbox
+        enqueue = self._sampler.enqueue if self._sampler is not None else None
         while inbox:
-            fn, args = inbox.popleft()
-            fn(*args)
-
-    def _enqueue(self, item: Item) -> None:
-        assert self._sampler is not None
-        self._sampler.enqueue(item)
+            entry = inbox.popleft()
+            if type(entry) is tuple:
+                entry[0](*entry[1])
+            else:
+                assert enqueue is not None
+                enqueue(entry)
 
     def _submit(self, item: Item) -> RequestFuture[Any]:
         if self._state not in ("running", "closing"):
@@ -297,7 +303,11 @@ class Engine:
             item.future.set_exception(error or EngineClosed(
                 f"request {item.request_id}: the engine is {self._state}"))
             return item.future
-        self._call_soon(self._enqueue, item)
+        if threading.get_ident() == self._loop_ident:
+            assert self._sampler is not None
+            self._sampler.enqueue(item)
+        else:
+            self._hand_in(item)
         return item.future
 
     def _new_id(self, prefix: str) -> str:

@@ -196,7 +196,7 @@ class SamplerLoop:
     def _settle_unstarted(self, item: Item, exc: BaseException) -> None:
         if isinstance(item, SampleItem):
             seqs = [SampledSequence(stop_reason="abort") for _ in range(item.num_samples)]
-            item.future.set_result(SampleResponse(sequences=seqs, request_id=item.request_id))
+            item.future.set_result(SampleResponse(sequences=tuple(seqs), request_id=item.request_id))
         else:
             item.future.set_exception(exc)
 
@@ -218,21 +218,32 @@ class SamplerLoop:
         for item in stale:
             item.future.set_exception(self.sched.stale_error(item))
         version = self.sched.version
+        max_model_len = self.backend.max_model_len
+        items, seqs, to_add, rng = self._items, self._seqs, self._to_add, self._rng
         for item in admitted:
-            if isinstance(item, LeaseItem):
+            if type(item) is LeaseItem:
                 item.future.set_result(item.lease)
                 continue
-            self._items[item.request_id] = item
+            rid = item.request_id
+            items[rid] = item
             self.admitted += 1
-            base = item.params.seed
+            params = item.params
+            base = params.seed
+            room = max_model_len - len(item.prompt) // 4
+            max_tokens = max(1, min(params.max_tokens or room, room))
+            stream = self._stream or item.on_tokens is not None
+            n = item.num_samples
+            item.remaining = n
             item.seqs = []
-            item.remaining = item.num_samples
-            for i in range(item.num_samples):
-                seed = self._rng.getrandbits(63) if base is None else derive_seed(base, i)
-                seq = _Seq(item, i, f"{item.request_id}.{i}", seed)
+            for i in range(n):
+                seed = rng.getrandbits(63) if base is None else derive_seed(base, i)
+                seq = _Seq(item, i, f"{rid}.{i}", seed)
                 item.seqs.append(seq)
-                self._seqs[seq.backend_id] = seq
-                self._to_add.append(self._backend_request(seq, item.prompt, seed))
+                seqs[seq.backend_id] = seq
+                # Inline for fresh sequences (the hot path); resumed ones use _backend_request.
+                to_add.append(BackendRequest(request_id=seq.backend_id, prompt=item.prompt, params=params, seed=seed,
+                                             max_tokens=max_tokens, prompt_logprobs=item.prompt_logprobs and i == 0,
+                                             stream=stream))
             if item.lease is not None and version is not None:
                 item.lease.add_version(version)
 
@@ -331,14 +342,14 @@ class SamplerLoop:
     def _complete(self, item: SampleItem, aborted: bool) -> None:
         seqs = item.seqs or ()
         response = SampleResponse(
-            sequences=[s.to_sequence(s.stop_reason or "abort") for s in seqs],
+            sequences=tuple([s.to_sequence(s.stop_reason or "abort") for s in seqs]),
             request_id=item.request_id,
             prompt_logprobs_raw=item.prompt_logprobs_raw)
         if item.lease is not None and item.lease.state != "unknown":
             # The lease already knows its versions: the one at admission and
             # any it was resumed on after a pause. An abandoned request's lease
             # stays unknown (see ``abandon``).
-            item.lease.settle("aborted" if aborted else "completed")
+            self.sched.settle(item.lease, "aborted" if aborted else "completed")
         if not self.sched.continuous and not aborted:
             self._wave_hold.append((item, response))
         else:

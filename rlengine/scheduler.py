@@ -278,8 +278,9 @@ class Scheduler:
         known = lease.versions
         if versions:
             known = set(versions) if known is None else known | set(versions)
+        ordered = ([*known] if len(known) == 1 else sorted(known)) if known else []
         receipt = Receipt(lease_id=lease.lease_id, request_id=lease.request_id, session_id=lease.session_id,
-                          versions=sorted(known) if known else [], outcome=outcome)
+                          versions=ordered, outcome=outcome)
         self.receipts.append(receipt)
         return receipt
 

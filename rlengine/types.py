@@ -269,7 +269,8 @@ class SampledSequence(_Public):
 class SampleResponse(_Public):
     """The result of one ``sample`` call: ``num_samples`` sequences."""
 
-    sequences: list[SampledSequence]
+    sequences: tuple[SampledSequence, ...]
+    """A tuple (of untracked Structs, so the collector drops it at once)."""
     request_id: str = ""
     prompt_logprobs_raw: bytes | None = None
 

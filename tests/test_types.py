@@ -101,7 +101,7 @@ def test_sampled_sequence_accessors_and_wire_roundtrip():
     seq = rle.SampledSequence(stop_reason="stop", tokens_raw=array("i", [4, 5]).tobytes(),
                               logprobs_raw=array("f", [-0.5, -1.25]).tobytes(),
                               versions_raw=array("i", [0, 1]).tobytes())
-    resp = rle.SampleResponse(sequences=[seq], request_id="r1", prompt_logprobs_raw=array("f", [-2.0]).tobytes())
+    resp = rle.SampleResponse(sequences=(seq,), request_id="r1", prompt_logprobs_raw=array("f", [-2.0]).tobytes())
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(resp), type=rle.SampleResponse)
     assert back == resp
     s = back.sequences[0]
