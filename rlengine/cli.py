@@ -1,4 +1,4 @@
-"""The ``rlengine`` command: ``info``, ``bench`` and ``train``.
+"""The ``rlengine`` command: ``info``, ``bench``, ``train`` and ``serve``.
 
 ``info`` says what is installed and which backends and extensions can run
 here, and why not. ``bench`` runs the control-plane benchmarks and prints a
@@ -127,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="run the control-plane benchmarks and print a table")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
     from rlengine.rl import cli as train_cli
+    from rlengine.serve import cli as serve_cli
 
     train_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     # One intra-op thread unless the user says otherwise: on small machines
     # two threads were measured 15-30x slower for torch and vLLM on CPU.
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return train_cli.run(args)
+    if args.command == "serve":
+        return serve_cli.run(args)
     return bench(args.json)
 
 

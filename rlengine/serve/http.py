@@ -1,0 +1,371 @@
+"""The OpenAI-compatible HTTP server, on the engine's own loop (aiohttp's AppRunner).
+
+Endpoints:
+
+* ``GET /v1/models`` - the served model;
+* ``POST /v1/chat/completions`` - non-streaming and streaming (SSE) chat
+  completions. With a session id (``X-Session-ID`` header or ``session_id``
+  body field) and its token (``X-Session-Token`` header or ``session_token``
+  field), the turn is a session turn: traced exactly, pinned to the
+  session's replica. Without one it is a stateless completion (not traced);
+* ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional),
+  ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
+  (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
+  session's token.
+
+It binds 127.0.0.1 unless told otherwise; with ``api_key`` set every request
+must carry ``Authorization: Bearer <api_key>`` (what the ``openai`` client
+sends). Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``)
+with the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a
+retired session is 410 Gone.
+
+Handler cancellation is on: a client that disconnects mid-generation
+cancels its handler, which abandons the turn (its lease stays unknown,
+poisoning the gate until settled). Bodies are decoded by one typed msgspec
+JSON decoder; anything it rejects is a 400 naming the field.
+
+This module translates HTTP to the session layer; it never creates a loop,
+and must not block the loop it runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from array import array
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from rlengine.errors import InvalidRequest
+from rlengine.protocol import BadMessage, Choice, InvalidValue, SessionForbidden, Unsupported
+from rlengine.serve.errors import HTTP_STATUS, to_serve_error
+from rlengine.serve.render import TextStream
+from rlengine.serve.sessions import Session, SessionManager, TurnResult
+from rlengine.types import SamplingParams
+
+__all__ = ["ChatCompletionRequest", "HttpServer"]
+
+log = logging.getLogger("rlengine.serve")
+
+
+class _ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class _Message(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[_ContentPart] | None = None
+    name: str | None = None
+
+
+class _StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """The body of ``POST /v1/chat/completions`` (the fields rlengine honours; others are ignored)."""
+
+    messages: list[_Message]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False
+    session_id: str | None = None
+    session_token: str | None = None
+
+
+class _SessionBody(msgspec.Struct, frozen=True):
+    session_id: str | None = None
+
+
+class _RewardBody(msgspec.Struct, frozen=True):
+    value: float
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise Unsupported(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p.text or "" for p in content)
+        if content is None:
+            raise InvalidValue(f"messages[{i}].content=None: must be text (tool calls are not supported)")
+        message = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+    for field in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, field) not in (None, 0, 0.0):
+            raise Unsupported(f"{field}={getattr(req, field)!r}: penalties are not supported")
+    if req.top_logprobs not in (None, 0):
+        raise Unsupported(f"top_logprobs={req.top_logprobs!r}: only the sampled token's logprob is returned")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+                          seed=req.seed, stop=req.stop or None, ignore_eos=req.ignore_eos)
+
+
+def _error(exc: BaseException) -> web.Response:
+    err = to_serve_error(exc)
+    status = HTTP_STATUS.get(err.code, 500)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": str(err), "type": kind, "code": err.code, "param": None}}
+    return web.json_response(body, status=status)
+
+
+class HttpServer:
+    """The aiohttp application and its runner on the running loop."""
+
+    def __init__(self, sessions: SessionManager, *, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = 16 << 20) -> None:
+        self.sessions = sessions
+        self.model_name = model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.url: str | None = None
+        self._decoder = msgspec.json.Decoder(ChatCompletionRequest)
+        self._session_decoder = msgspec.json.Decoder(_SessionBody)
+        self._reward_decoder = msgspec.json.Decoder(_RewardBody)
+        self._encoder = msgspec.json.Encoder()
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
+        self.app.add_routes([
+            web.get("/v1/models", self.models),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/sessions", self.open_session),
+            web.delete("/v1/sessions/{session_id}", self.close_session),
+            web.post("/v1/sessions/{session_id}/reward", self.reward),
+            web.get("/v1/sessions/{session_id}/trace", self.trace),
+        ])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on ``host:port`` (0: any free port); returns the base URL (``.../v1``)."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound_host, bound_port = self._runner.addresses[0][:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.url = f"http://{shown}:{bound_port}/v1"
+        return self.url
+
+    async def stop_listening(self) -> None:
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- middleware ---------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Bearer check, and OpenAI-shaped errors for everything that fails."""
+        if self.api_key is not None:
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:] if auth.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                body = {"error": {"message": "missing or wrong bearer token (Authorization: Bearer <api_key>)",
+                                  "type": "invalid_request_error", "code": "unauthorized", "param": None}}
+                return web.json_response(body, status=401)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                body = {"error": {"message": f"request body too large: {exc.text}", "type": "invalid_request_error",
+                                  "code": "frame_too_large", "param": None}}
+                return web.json_response(body, status=413)
+            if exc.status >= 400:
+                body = {"error": {"message": exc.reason, "type": "invalid_request_error",
+                                  "code": "not_found" if exc.status == 404 else "bad_message", "param": None}}
+                return web.json_response(body, status=exc.status)
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
+            return _error(exc)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _session_from(self, request: web.Request, session_id: str | None, token: str | None) -> Session | None:
+        session_id = request.headers.get("X-Session-ID") or session_id
+        if session_id is None:
+            return None
+        token = request.headers.get("X-Session-Token") or token
+        return self.sessions.authorize(session_id, token)
+
+    def _path_session(self, request: web.Request) -> Session:
+        token = request.headers.get("X-Session-Token")
+        if token is None:
+            raise SessionForbidden("the X-Session-Token header is missing")
+        return self.sessions.authorize(request.match_info["session_id"], token)
+
+    async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
+        body = await request.read()
+        try:
+            return decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadMessage(f"bad request body: {exc}") from None
+
+    def _json(self, body: Any, status: int = 200) -> web.Response:
+        return web.Response(body=self._encoder.encode(body), status=status, content_type="application/json")
+
+    # -- handlers -----------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return self._json({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rlengine"}]})
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        body = await self._decode(request, self._session_decoder) if request.can_read_body else _SessionBody()
+        session = self.sessions.open(body.session_id)
+        return self._json({"session_id": session.session_id, "token": session.token, "model": self.model_name})
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        self.sessions.close(self._path_session(request))
+        return self._json({"session_id": request.match_info["session_id"], "closed": True})
+
+    async def reward(self, request: web.Request) -> web.Response:
+        session = self._path_session(request)
+        body = await self._decode(request, self._reward_decoder)
+        self.sessions.reward(session, body.value)
+        return self._json({"session_id": session.session_id, "ok": True})
+
+    async def trace(self, request: web.Request) -> web.Response:
+        trace = self.sessions.trace(self._path_session(request))
+
+        def ints(raw: bytes, code: str) -> list[Any]:
+            return array(code, raw).tolist()
+
+        return self._json({"session_id": trace.session_id, "turns": trace.turns, "trajectories": [
+            {"tokens": ints(t.tokens_raw, "i"), "logprobs": ints(t.logprobs_raw, "f"),
+             "versions": ints(t.versions_raw, "i"), "loss_mask": list(t.loss_mask_raw),
+             "shared_prefix": t.shared_prefix, "reward": r}
+            for t, r in zip(trace.trajectories, trace.rewards)]})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self._decode(request, self._decoder)
+        if req.model is not None and req.model != self.model_name:
+            raise InvalidRequest("model", req.model, f"this server serves {self.model_name!r} (see /v1/models)")
+        session = self._session_from(request, req.session_id, req.session_token)
+        messages, params = _messages(req), _sampling(req)
+        if req.stream:
+            return await self._stream(request, req, session, messages, params)
+        fut = self.sessions.chat(session, messages, params, req.n)
+        try:
+            result = await fut
+        except asyncio.CancelledError:
+            if not fut.done():
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-generation")
+            raise
+        return self._json(self._completion(result, session, req.logprobs))
+
+    def _completion(self, result: TurnResult, session: Session | None, logprobs: bool) -> dict[str, Any]:
+        completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
+        body: dict[str, Any] = {
+            "id": f"chatcmpl-{result.request_id}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.stop_reason, "logprobs": self._logprobs(c) if logprobs else None}
+                        for i, c in enumerate(result.choices)],
+            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": result.prompt_tokens + completion_tokens},
+        }
+        if session is not None:
+            body["session_id"] = session.session_id
+        return body
+
+    def _logprobs(self, choice: Choice) -> dict[str, Any]:
+        renderer = self.sessions.renderer
+        assert renderer is not None
+        tokens, lps = array("i", choice.tokens_raw).tolist(), array("f", choice.logprobs_raw).tolist()
+        content = []
+        for t, lp in zip(tokens, lps):
+            text = renderer.decode([t], skip_special=False)
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": content}
+
+    async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
+                      messages: list[dict[str, str]], params: SamplingParams) -> web.StreamResponse:
+        renderer = self.sessions.renderer
+        if renderer is None:
+            raise Unsupported("chat: this backend has no tokenizer and chat template")
+        queue: asyncio.Queue[tuple[int, list[int]] | None] = asyncio.Queue()
+
+        def on_tokens(index: int, ids: list[int], _lps: list[float], _version: int) -> None:
+            queue.put_nowait((index, ids))
+
+        # Validation errors raise here, before any byte of the response is sent.
+        fut = self.sessions.chat(session, messages, params, req.n, on_tokens=on_tokens)
+        fut.add_done_callback(lambda _f: queue.put_nowait(None))
+        chunk_id, created = f"chatcmpl-{fut.request_id}", int(time.time())
+        encode = self._encoder.encode
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+            body: dict[str, Any] = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                    "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return b"data: " + encode(body) + b"\n\n"
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        streams = [TextStream(renderer) for _ in range(req.n)]
+        try:
+            await response.prepare(request)
+            await response.write(b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "finish_reason": None}]) for i in range(req.n)))
+            while (item := await queue.get()) is not None:
+                index, ids = item
+                text = streams[index].push(ids)
+                if text:
+                    await response.write(chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}]))
+            exc = fut.exception(0)
+            if exc is not None:
+                err = to_serve_error(exc)
+                await response.write(b"data: " + encode(
+                    {"error": {"message": str(err), "type": "server_error", "code": err.code}}) + b"\n\n")
+            else:
+                result = fut.result(0)
+                for i, choice in enumerate(result.choices):
+                    rest = streams[i].finish(choice.text or "")
+                    delta = {"content": rest} if rest else {}
+                    await response.write(chunk([{"index": i, "delta": delta, "finish_reason": choice.stop_reason}]))
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
+                    await response.write(chunk([], {"prompt_tokens": result.prompt_tokens,
+                                                    "completion_tokens": completion_tokens,
+                                                    "total_tokens": result.prompt_tokens + completion_tokens}))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionError):
+            if not fut.done():
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream")
+            raise
+        return response
+

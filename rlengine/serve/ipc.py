@@ -1,0 +1,345 @@
+"""The IPC server: msgspec frames over a unix-domain socket, on the engine's loop.
+
+Sandboxes connect to a socket file of mode 0600 inside a directory of mode
+0700 (only the engine's user can reach it). Each connection is an
+``asyncio.Protocol`` with its own ``FrameReader``, msgpack ``Encoder`` and
+typed ``Decoder`` (``rlengine.protocol.Request``), reused for every frame.
+Requests are handled in the ``data_received`` callback itself: a ping is
+answered at once, a turn is handed to the session layer and answered from
+its future's done-callback (no task per request; replies may overtake each
+other and are matched by ``id``).
+
+Bad input never stops the server: a frame that is not a valid message gets
+``Error(bad_message)`` and the connection goes on (frame boundaries are still
+known); an oversize or zero-length frame gets ``Error`` and a clean close (the
+stream cannot be resynchronised); a truncated frame at EOF is dropped.
+
+Backpressure per connection: at most ``max_in_flight`` turns in flight (the
+server stops reading until replies go out), and when the client stops
+reading (the transport's write buffer passes its high-water mark) the server
+stops reading its requests too; a client that stays stalled for
+``write_stall_timeout_s`` is disconnected. A connection that goes away with
+turns in flight abandons them (their leases poison the gate until settled:
+see ``SessionManager.abandon``).
+
+This module speaks the wire format only; what a request means is the
+session layer's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import tempfile
+from typing import Any
+
+import msgspec
+
+from rlengine.errors import ConfigurationError
+from rlengine.futures import RequestFuture
+from rlengine.protocol import (
+    HEADER,
+    Ack,
+    BadMessage,
+    Chat,
+    CloseSession,
+    Error,
+    FrameReader,
+    Generate,
+    GetTrace,
+    InvalidValue,
+    OpenSession,
+    Ping,
+    Pong,
+    Request,
+    Reward,
+    ServeError,
+    SessionOpened,
+    TraceReply,
+    TurnReply,
+    WireTrajectory,
+)
+from rlengine.serve.errors import to_serve_error
+from rlengine.serve.sessions import SessionManager, TurnResult
+from rlengine.types import SamplingParams
+
+__all__ = ["IpcServer", "sampling_params"]
+
+log = logging.getLogger("rlengine.serve")
+
+# Unix socket paths are limited to 108 bytes (sun_path) on Linux.
+_MAX_SOCKET_PATH = 107
+
+
+def sampling_params(s: Any) -> SamplingParams:
+    """``SamplingParams`` from a wire ``Sampling``; invalid values raise ``InvalidRequest``."""
+    if s.stop and s.stop_token_ids:
+        raise InvalidValue(f"stop={s.stop!r}, stop_token_ids={s.stop_token_ids!r}: give one kind of stop, not both")
+    stop = s.stop or s.stop_token_ids or None
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          seed=s.seed, stop=stop, ignore_eos=s.ignore_eos)
+
+
+def _request_id_of(body: memoryview) -> int:
+    """Best effort: the ``id`` of a frame that failed to decode as a request (0 if none)."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except Exception:  # noqa: BLE001 - any undecodable frame simply has no id
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
+        return raw[1]
+    return 0
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection (loop thread only)."""
+
+    def __init__(self, server: IpcServer) -> None:
+        self.server = server
+        self.sessions = server.sessions
+        self.reader = FrameReader(server.max_frame)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(Request)
+        self.transport: asyncio.Transport | None = None
+        self.turns: dict[int, RequestFuture[TurnResult]] = {}
+        """In-flight turns by the client's request id."""
+        self.closed = False
+        self._reading_paused = False
+        self._writing_paused = False
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._handlers = {Ping: self._ping, OpenSession: self._open, Chat: self._chat, Generate: self._generate,
+                          Reward: self._reward, GetTrace: self._trace, CloseSession: self._close}
+
+    # -- transport callbacks ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; they have its methods.
+        self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=self.server.write_high_water)
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            bodies = self.reader.feed(data)
+        except ServeError as exc:
+            # The stream cannot be resynchronised after a bad header: say why, then close.
+            self.send(Error(id=0, code=exc.code, message=str(exc)))
+            self.close()
+            return
+        decode, handlers = self.decoder.decode, self._handlers
+        for body in bodies:
+            try:
+                request = decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.send(Error(id=_request_id_of(body), code=BadMessage.code, message=f"bad message: {exc}"))
+                continue
+            try:
+                handlers[type(request)](request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes this request's Error
+                err = to_serve_error(exc)
+                self.send(Error(id=request.id, code=err.code, message=str(err)))
+            if self.closed:
+                return
+        if self._reading_paused or len(self.turns) >= self.server.max_in_flight:
+            self._update_reading()
+
+    def eof_received(self) -> bool:
+        # EOF means the client is gone: a unix socket's half-close cannot be
+        # told apart from a close until a write fails, which for a long turn
+        # would be much later. Closing now abandons its turns in flight.
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_stall_timer()
+        self.server.connections.discard(self)
+        turns, self.turns = self.turns, {}
+        for fut in turns.values():
+            if not fut.done():
+                self.sessions.abandon(fut.request_id, "the IPC client disconnected mid-generation")
+
+    def pause_writing(self) -> None:
+        # The client is not reading its replies: stop reading its requests, and
+        # give up on it if it stays stalled.
+        self._writing_paused = True
+        self._update_reading()
+        if self._stall_timer is None:
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self.server.write_stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._cancel_stall_timer()
+        self._update_reading()
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        log.warning("rlengine.serve: IPC client stopped reading for %.1f s; disconnecting it",
+                    self.server.write_stall_timeout_s)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        pause = self._writing_paused or len(self.turns) >= self.server.max_in_flight
+        if pause and not self._reading_paused:
+            transport.pause_reading()
+            self._reading_paused = True
+        elif not pause and self._reading_paused:
+            transport.resume_reading()
+            self._reading_paused = False
+
+    def send(self, message: msgspec.Struct) -> None:
+        if not self.closed and self.transport is not None:
+            buf = bytearray(4)
+            self.encoder.encode_into(message, buf, 4)
+            HEADER.pack_into(buf, 0, len(buf) - 4)
+            self.transport.write(buf)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _ping(self, req: Ping) -> None:
+        self.send(Pong(id=req.id, payload=req.payload))
+
+    def _open(self, req: OpenSession) -> None:
+        session = self.sessions.open(req.session_id)
+        self.send(SessionOpened(id=req.id, session_id=session.session_id, token=session.token,
+                                model=self.server.model_name))
+
+    def _chat(self, req: Chat) -> None:
+        self._check_new_turn(req.id)
+        session = self.sessions.authorize(req.session_id, req.token)
+        self._track(req.id, self.sessions.chat(session, req.messages, sampling_params(req.sampling), req.n))
+
+    def _generate(self, req: Generate) -> None:
+        self._check_new_turn(req.id)
+        session = self.sessions.authorize(req.session_id, req.token)
+        self._track(req.id, self.sessions.generate(session, req.tokens_raw, sampling_params(req.sampling), req.n))
+
+    def _reward(self, req: Reward) -> None:
+        self.sessions.reward(self.sessions.authorize(req.session_id, req.token), req.value)
+        self.send(Ack(id=req.id))
+
+    def _trace(self, req: GetTrace) -> None:
+        trace = self.sessions.trace(self.sessions.authorize(req.session_id, req.token))
+        self.send(TraceReply(id=req.id, trajectories=[
+            WireTrajectory(shared_prefix=t.shared_prefix, tokens_raw=t.tokens_raw, logprobs_raw=t.logprobs_raw,
+                           versions_raw=t.versions_raw, loss_mask_raw=t.loss_mask_raw, reward=r)
+            for t, r in zip(trace.trajectories, trace.rewards)]))
+
+    def _close(self, req: CloseSession) -> None:
+        self.sessions.close(self.sessions.authorize(req.session_id, req.token))
+        self.send(Ack(id=req.id))
+
+    def _check_new_turn(self, request_id: int) -> None:
+        if request_id in self.turns:
+            raise InvalidValue(f"id={request_id}: a request with this id is still in flight on this connection")
+
+    def _track(self, request_id: int, fut: RequestFuture[TurnResult]) -> None:
+        self.turns[request_id] = fut
+        fut.add_done_callback(lambda f: self._turn_done(request_id, f))
+
+    def _turn_done(self, request_id: int, fut: RequestFuture[TurnResult]) -> None:
+        if self.turns.pop(request_id, None) is None:
+            return  # the connection is gone; the turn was abandoned
+        exc = fut.exception(0)
+        if exc is None:
+            result = fut.result(0)
+            self.send(TurnReply(id=request_id, prompt_tokens=result.prompt_tokens, choices=result.choices))
+        else:
+            err = to_serve_error(exc)
+            self.send(Error(id=request_id, code=err.code, message=str(err)))
+        self._update_reading()
+
+
+class IpcServer:
+    """Listens on a unix socket on the running loop and serves ``SessionManager`` requests."""
+
+    def __init__(self, sessions: SessionManager, *, model_name: str, max_frame: int, max_in_flight: int = 256,
+                 write_high_water: int = 4 << 20, write_stall_timeout_s: float = 30.0) -> None:
+        self.sessions = sessions
+        self.model_name = model_name
+        self.max_frame = max_frame
+        self.max_in_flight = max_in_flight
+        self.write_high_water = write_high_water
+        self.write_stall_timeout_s = write_stall_timeout_s
+        self.connections: set[_Connection] = set()
+        self.path: str | None = None
+        self._made_dir: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, path: str | None = None) -> str:
+        """Listen at ``path`` (None: a new private directory); returns the socket path."""
+        if path is None:
+            self._made_dir = tempfile.mkdtemp(prefix="rlengine-ipc-")  # mode 0700
+            path = os.path.join(self._made_dir, "engine.sock")
+        else:
+            path = os.path.abspath(path)
+            directory = os.path.dirname(path)
+            if not os.path.isdir(directory):
+                os.makedirs(directory, mode=0o700)
+                self._made_dir = directory
+            mode = stat.S_IMODE(os.stat(directory).st_mode)
+            if mode & 0o077:
+                raise ConfigurationError(f"socket_path={path!r}: its directory has mode {mode:o}; it must be "
+                                         "0700 (only the engine's user may reach the socket)")
+            if os.path.exists(path):
+                raise ConfigurationError(f"socket_path={path!r}: the file exists (another server, or a stale one)")
+        if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+            raise ConfigurationError(f"socket_path={path!r}: longer than {_MAX_SOCKET_PATH} bytes (unix limit)")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), path, backlog=1024)
+        # The 0700 directory already keeps others out during the instant
+        # between bind and chmod; the mode is defence in depth.
+        os.chmod(path, 0o600)
+        self.path = path
+        return path
+
+    def stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self) -> None:
+        """Stop listening, close every connection, remove the socket (and its directory if made here)."""
+        self.stop_listening()
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+            except TimeoutError:
+                log.warning("rlengine.serve: IPC connections did not close within 5 s")
+            self._server = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+        if self._made_dir is not None:
+            try:
+                os.rmdir(self._made_dir)
+            except OSError:
+                pass
+            self._made_dir = None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(c.turns) for c in self.connections)

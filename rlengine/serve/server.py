@@ -1,0 +1,232 @@
+"""``Server``: the IPC and HTTP servers, the session router and the trace store, on the engines' loop.
+
+One or more engines (data-parallel replicas) share one event loop: several
+``Engine``s started in async mode on the server's loop (each with its own
+compute thread), or one engine that owns its loop thread. Everything the
+servers touch (sessions, router, trace store, the engines' gates) lives on
+that loop, so no lock is needed anywhere; the servers are callbacks and
+handlers on it, never a second loop::
+
+    async with rle.Engine(cfg) as engine, Server(engine) as server:   # on your loop
+        print(server.ipc_path, server.http_url)
+
+    with rle.Engine(cfg) as engine, Server(engine) as server:         # engine owns its loop thread
+        trace = server.call(server.sessions.collect, session_id).result(30)
+
+Shutdown (``aclose``/``close``) stops listening, gives turns in flight
+``grace_s`` to finish, aborts the rest (they settle as aborted and their
+clients get ``aborted``), closes every connection and removes the socket
+file. The engines are the caller's to close, after the server.
+
+This module wires parts together; it holds no request logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from rlengine.engine import Engine
+from rlengine.errors import ConfigurationError, RLEngineError
+from rlengine.futures import RequestFuture
+from rlengine.protocol import DEFAULT_MAX_FRAME
+from rlengine.serve.ipc import IpcServer
+from rlengine.serve.render import ByteRenderer, ChatRenderer, TemplateRenderer
+from rlengine.serve.router import SessionRouter
+from rlengine.serve.sessions import SessionManager
+from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore
+
+__all__ = ["ServeConfig", "Server"]
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How to serve. Every field is also a ``key=value`` of ``rlengine serve``."""
+
+    ipc: bool = True
+    socket_path: str | None = None
+    """None: ``engine.sock`` in a new private (0700) temporary directory."""
+    http: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port (the chosen one is printed and in ``Server.http_url``)."""
+    api_key: str | None = None
+    """HTTP bearer token; None accepts any (the server binds to loopback by default)."""
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_body_bytes: int = 16 << 20
+    max_in_flight: int = 256
+    """Turns in flight per IPC connection before the server stops reading it."""
+    write_stall_timeout_s: float = 30.0
+    """An IPC client that does not read its replies for this long is disconnected."""
+    tombstone_ttl_s: float = 3600.0
+    max_tombstones: int = 100_000
+    trace_max_bytes: int = DEFAULT_MAX_BYTES
+    grace_s: float = 5.0
+    """On shutdown, how long turns in flight may finish before they are aborted."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
+        if self.max_frame > 0xFFFFFFFF:
+            raise ConfigurationError(f"max_frame={self.max_frame}: must be < 2**32 (4-byte frame header)")
+        for name in ("write_stall_timeout_s", "tombstone_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if not self.grace_s >= 0:
+            raise ConfigurationError(f"grace_s={self.grace_s!r}: must be >= 0")
+        if isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ConfigurationError(f"port={self.port!r}: must be in [0, 65535]")
+        if not isinstance(self.trace_max_bytes, int) or self.trace_max_bytes < 0:
+            raise ConfigurationError(f"trace_max_bytes={self.trace_max_bytes!r}: must be an integer >= 0")
+        if not (self.ipc or self.http):
+            raise ConfigurationError("ipc=False and http=False: nothing to serve")
+
+
+def _renderer_for(engine: Engine) -> ChatRenderer | None:
+    tokenizer = engine.tokenizer
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return TemplateRenderer(tokenizer)
+    if tokenizer is None and engine.backend.vocab_size >= 256:
+        return ByteRenderer()
+    return None
+
+
+class Server:
+    """IPC + HTTP serving of agent sessions over one or more engine replicas."""
+
+    def __init__(self, engines: Engine | Sequence[Engine], config: ServeConfig | None = None) -> None:
+        self.engines = [engines] if isinstance(engines, Engine) else list(engines)
+        if not self.engines:
+            raise ConfigurationError("engines=[]: serve at least one engine")
+        self.config = config or ServeConfig()
+        self.router = SessionRouter(self.engines, ttl_s=self.config.tombstone_ttl_s,
+                                    max_tombstones=self.config.max_tombstones)
+        self.store = TraceStore(self.config.trace_max_bytes)
+        self.sessions: SessionManager | None = None
+        self.ipc: IpcServer | None = None
+        self.http: Any = None
+        self.ipc_path: str | None = None
+        self.http_url: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._state = "new"
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Server:
+        return await self.start_async()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def model_name(self) -> str:
+        return self.engines[0].model_name
+
+    async def start_async(self) -> Server:
+        """Start on the running loop, which must be the engines' loop."""
+        if self._state != "new":
+            raise RLEngineError(f"Server.start: the server is {self._state}; a Server starts once")
+        loop = asyncio.get_running_loop()
+        for i, engine in enumerate(self.engines):
+            if engine.state != "running":
+                raise ConfigurationError(f"engines[{i}] is {engine.state}: start the engines first")
+            if engine.loop is not loop:
+                raise ConfigurationError(f"engines[{i}] runs on another loop: every replica and the server "
+                                         "share one loop (start the engines with 'async with' on it)")
+        self._state = "starting"
+        self._loop = loop
+        # Loading a tokenizer takes a while: never on the loop.
+        renderer = await asyncio.to_thread(_renderer_for, self.engines[0])
+        self.sessions = SessionManager(self.router, self.store, renderer)
+        cfg = self.config
+        try:
+            if cfg.ipc:
+                self.ipc = IpcServer(self.sessions, model_name=self.model_name, max_frame=cfg.max_frame,
+                                     max_in_flight=cfg.max_in_flight,
+                                     write_stall_timeout_s=cfg.write_stall_timeout_s)
+                self.ipc_path = await self.ipc.start(cfg.socket_path)
+            if cfg.http:
+                from rlengine.serve.http import HttpServer  # aiohttp only where HTTP is served
+
+                self.http = HttpServer(self.sessions, model_name=self.model_name, api_key=cfg.api_key,
+                                       max_body_bytes=cfg.max_body_bytes)
+                self.http_url = await self.http.start(cfg.host, cfg.port)
+        except BaseException:
+            await self._shut(0.0)
+            self._state = "closed"
+            raise
+        self._state = "running"
+        return self
+
+    def start(self, timeout: float = 120.0) -> Server:
+        """Start from another thread, on the loop of an engine that owns its loop thread."""
+        loop = self.engines[0].loop
+        asyncio.run_coroutine_threadsafe(self.start_async(), loop).result(timeout)
+        return self
+
+    async def aclose(self, grace_s: float | None = None) -> None:
+        """Stop: in-flight turns get ``grace_s`` to finish, the rest are aborted; the socket file is removed."""
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        await self._shut(self.config.grace_s if grace_s is None else grace_s)
+        self._state = "closed"
+
+    def close(self, timeout: float = 60.0) -> None:
+        """``aclose`` from another thread (the engine owns its loop thread)."""
+        if self._loop is None or self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(timeout)
+
+    async def _shut(self, grace_s: float) -> None:
+        if self.ipc is not None:
+            self.ipc.stop_listening()
+        if self.http is not None:
+            await self.http.stop_listening()
+        sessions = self.sessions
+        if sessions is not None:
+            await self._wait_idle(grace_s)
+            sessions.abort_all()
+            # Aborts settle on the next sampler pass; their replies then go out.
+            await self._wait_idle(5.0)
+        if self.ipc is not None:
+            await self._wait_flushed(2.0)
+            await self.ipc.close()
+        if self.http is not None:
+            await self.http.close()
+
+    async def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.sessions is not None and self.sessions.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _wait_flushed(self, timeout: float) -> None:
+        """Give replies already written a moment to leave (bounded)."""
+        assert self.ipc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+                c.transport is not None and c.transport.get_write_buffer_size() for c in self.ipc.connections):
+            await asyncio.sleep(0.01)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # -- calling in from other threads ------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> RequestFuture[Any]:
+        """Run ``fn(*args)`` on the server's loop (e.g. ``server.sessions.collect``); thread-safe."""
+        return self.engines[0].call_on_loop(fn, *args)

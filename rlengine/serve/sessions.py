@@ -1,0 +1,415 @@
+"""Agent sessions: authorization, exact trace capture, turns through the gate, retirement.
+
+A session is one agent's conversation. It is opened with an unguessable
+token that every later request must carry; one session can neither read nor
+extend another's trace. Its turns run on the replica the ``SessionRouter``
+pinned it to, each as ``engine.sample(..., session_id=...)``, so each holds
+a gate lease from admission to settlement: a weight install seals, drains
+(or pauses) and reopens around it, and the session's next turn waits at the
+gate and runs on the new version, every sampled token recording its version.
+
+Trace capture is exact. The prompt of turn k is the stored token path of the
+conversation so far (every earlier prompt and the exact sampled completion
+tokens) plus only the newly rendered suffix (``rlengine.serve.render``):
+earlier assistant text is never re-tokenized. Chat sessions index their
+stored positions by a hash chain over the messages before them (``Boundary``
+per message prefix), so a client that resends its history is matched
+message by message; a client whose history diverges (an edited or truncated
+conversation) resumes from the last matching position and branches there in
+the trie (at the exact token, since the trie shares equal tokens). Token
+sessions (``generate``) send their whole prompt and the trie keeps whatever
+prefix it already holds.
+
+A turn is recorded when it completes, in one loop callback: a rejected or
+aborted turn records nothing. (One exception: if the trace store's memory
+bound is reached between storing a turn's prompt and its sampled tokens,
+the prompt stays, a branch with nothing to train on; the client gets
+``unavailable``.) A turn whose client went away mid-generation
+is abandoned: its lease stays unknown, poisoning the gate, until the session
+is retired or the turn is written off (``write_off``).
+
+Loop thread only (the engines' loop), like the trace store under it. This
+module does no I/O: the IPC and HTTP servers translate wire messages into
+calls here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from rlengine.errors import InvalidRequest
+from rlengine.futures import RequestFuture
+from rlengine.protocol import (
+    Choice,
+    SessionExists,
+    SessionForbidden,
+    SessionGone,
+    SessionNotFound,
+    TurnAborted,
+    Unsupported,
+)
+from rlengine.serve.render import Boundary, ChatRenderer, assistant_tail, normalize_messages, suffix_text
+from rlengine.serve.router import SessionRouter
+from rlengine.trace import TraceStore, Trajectory
+from rlengine.types import ModelInput, SampleResponse, SamplingParams
+
+__all__ = ["MAX_SAMPLES", "Session", "SessionManager", "SessionTrace", "TurnResult"]
+
+MAX_SAMPLES = 64
+"""Most completions (``n``) one turn may ask for."""
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_encode_message = msgspec.msgpack.Encoder().encode
+
+OnTokens = Callable[[int, list[int], list[float], int], None]
+
+
+class TurnResult(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """A completed turn, as recorded."""
+
+    request_id: str
+    replica: int
+    prompt_tokens: int
+    choices: list[Choice]
+
+
+class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
+    """What training gets from a session: one trajectory per branch, with its reward."""
+
+    session_id: str
+    trajectories: list[Trajectory]
+    rewards: list[float | None]
+    """Per trajectory: the reward sent while its leaf was the session's latest turn."""
+    turns: int
+
+
+class Session:
+    """One agent conversation (loop thread only)."""
+
+    __slots__ = (
+        "boundaries",
+        "in_flight",
+        "leaf",
+        "retired",
+        "rewards",
+        "root",
+        "session_id",
+        "token",
+        "turns",
+        "unknown_leases",
+    )
+
+    def __init__(self, session_id: str, token: str, root: int) -> None:
+        self.session_id = session_id
+        self.token = token
+        self.root = root
+        self.boundaries: dict[tuple[bytes, bool], Boundary] = {(b"", False): Boundary(root, 0, False, "")}
+        self.leaf: int | None = None
+        self.rewards: dict[int, float] = {}
+        self.in_flight: dict[str, int] = {}
+        """request id -> replica, for turns not yet settled."""
+        self.unknown_leases: list[tuple[int, int]] = []
+        """(replica, lease id) of turns abandoned mid-generation."""
+        self.turns = 0
+        self.retired = False
+
+    def __repr__(self) -> str:
+        return f"<Session {self.session_id} turns={self.turns}{' retired' if self.retired else ''}>"
+
+
+def _chain(prev: bytes, message: dict[str, str]) -> bytes:
+    """The key of a message prefix: a hash chain, so equal histories get equal keys."""
+    body = _encode_message((message["role"], message["content"], message.get("name")))
+    return hashlib.blake2b(prev + body, digest_size=16).digest()
+
+
+def _prefix_keys(messages: list[dict[str, str]]) -> list[bytes]:
+    keys = [b""]
+    for m in messages:
+        keys.append(_chain(keys[-1], m))
+    return keys
+
+
+class SessionManager:
+    """Sessions over the replicas of ``router``, traced in ``store``. Loop thread only."""
+
+    def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None) -> None:
+        self.router = router
+        self.store = store
+        self.renderer = renderer
+        self._live: dict[str, Session] = {}
+        self._retired: dict[str, Session] = {}
+        self._turns: dict[str, tuple[int, Session | None]] = {}
+        """Every turn in flight: request id -> (replica, session or None)."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def open(self, session_id: str | None = None) -> Session:
+        """A new session with a fresh token; ``session_id`` None picks an unguessable id."""
+        if session_id is None:
+            session_id = f"s-{secrets.token_hex(12)}"
+        elif not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+            raise InvalidRequest("session_id", session_id, "must be 1-128 characters of [A-Za-z0-9._:@-]")
+        if session_id in self._retired or self.router.is_gone(session_id):
+            raise SessionGone(f"session_id={session_id!r}: a session with this id was retired; ids are not reused")
+        if session_id in self._live or session_id in self.store:
+            raise SessionExists(f"session_id={session_id!r}: a session with this id exists")
+        session = Session(session_id, secrets.token_urlsafe(24), self.store.open(session_id))
+        self._live[session_id] = session
+        return session
+
+    def authorize(self, session_id: Any, token: Any) -> Session:
+        """The live session ``session_id`` if ``token`` is its token; raises otherwise."""
+        session = self._live.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            if isinstance(session_id, str) and (session_id in self._retired or self.router.is_gone(session_id)):
+                raise SessionGone(f"session_id={session_id!r}: the session was closed or retired")
+            raise SessionNotFound(f"session_id={session_id!r}: no such session")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), session.token.encode()):
+            raise SessionForbidden(f"session_id={session_id!r}: missing or wrong session token")
+        return session
+
+    def retire(self, session_id: str) -> None:
+        """End a session: turns in flight are aborted (not recorded), abandoned turns
+        written off, later requests get ``gone``; its trace waits for ``collect``."""
+        session = self._live.pop(session_id, None)
+        if session is None:
+            if session_id in self._retired:
+                return
+            raise SessionNotFound(f"session_id={session_id!r}: no such live session")
+        session.retired = True
+        self._retired[session_id] = session
+        for request_id, replica in list(session.in_flight.items()):
+            self.router.engines[replica].abort(request_id)
+        self.write_off(session)
+        self.router.retire(session_id)
+
+    def close(self, session: Session) -> None:
+        """The client ends its own session (as ``retire``)."""
+        self.retire(session.session_id)
+
+    def collect(self, session_id: str) -> SessionTrace:
+        """A session's trace, dropped from the store (a live session is retired first)."""
+        if session_id in self._live:
+            self.retire(session_id)
+        session = self._retired.pop(session_id, None)
+        if session is None:
+            raise SessionNotFound(f"session_id={session_id!r}: no such session to collect")
+        trace = self._export(session)
+        self.store.drop(session_id)
+        return trace
+
+    def retired(self) -> list[str]:
+        """Retired sessions whose traces await ``collect``."""
+        return list(self._retired)
+
+    def live(self) -> list[str]:
+        return list(self._live)
+
+    def write_off(self, session: Session) -> int:
+        """Settle the session's abandoned turns (un-poisons the gate for them); returns how many."""
+        leases, session.unknown_leases = session.unknown_leases, []
+        for replica, lease_id in leases:
+            self.router.engines[replica].write_off(lease_id)
+        return len(leases)
+
+    # -- turns ----------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._turns)
+
+    def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
+             on_tokens: OnTokens | None = None) -> RequestFuture[TurnResult]:
+        """Sample a chat turn; ``session`` None: a stateless request (nothing traced)."""
+        renderer = self.renderer
+        if renderer is None:
+            raise Unsupported("chat: this backend has no tokenizer and chat template; use token turns (generate)")
+        msgs = normalize_messages(messages)
+        full = renderer.render(msgs, True)
+        if session is None:
+            prompt = renderer.encode(full)
+            return self._submit(None, np.asarray(prompt, dtype=np.int32).tobytes(), params, n, on_tokens, None)
+        keys = _prefix_keys(msgs)
+        base, text = self._resume_point(session, renderer, msgs, keys, full)
+        suffix = np.asarray(renderer.encode(text), dtype=np.int32)
+        prefix = self.store.path_tokens(session.session_id, base.handle)
+        prompt = prefix.tobytes() + suffix.tobytes()
+
+        def record(resp: SampleResponse, request_id: str) -> list[Choice]:
+            return self._record_chat(session, base, suffix, msgs, keys, full, resp, request_id)
+
+        return self._submit(session, prompt, params, n, on_tokens, record)
+
+    def generate(self, session: Session, prompt: bytes, params: SamplingParams, n: int = 1,
+                 on_tokens: OnTokens | None = None) -> RequestFuture[TurnResult]:
+        """Sample a token turn: ``prompt`` is the whole conversation as raw int32."""
+        if not isinstance(prompt, (bytes, bytearray, memoryview)) or len(prompt) % 4:
+            raise InvalidRequest("tokens_raw", len(prompt) if hasattr(prompt, "__len__") else prompt,
+                                 "must be raw int32 bytes (a multiple of 4)")
+        prompt = bytes(prompt)
+        if prompt and int(np.frombuffer(prompt, dtype=np.int32).min()) < 0:
+            raise InvalidRequest("tokens_raw", int(np.frombuffer(prompt, dtype=np.int32).min()),
+                                 "token ids must be >= 0")
+
+        def record(resp: SampleResponse, request_id: str) -> list[Choice]:
+            return self._record_tokens(session, prompt, resp, request_id)
+
+        return self._submit(session, prompt, params, n, on_tokens, record)
+
+    def _resume_point(self, session: Session, renderer: ChatRenderer, msgs: list[dict[str, str]],
+                      keys: list[bytes], full: str) -> tuple[Boundary, str]:
+        """The longest stored position ``msgs`` extends, and the text still to tokenize."""
+        boundaries = session.boundaries
+        for count in range(len(msgs), -1, -1):
+            for generation in (True, False):
+                boundary = boundaries.get((keys[count], generation))
+                if boundary is None:
+                    continue
+                text = suffix_text(renderer, msgs, boundary, full)
+                if text is not None:
+                    return boundary, text
+        raise AssertionError("unreachable: the root boundary always matches")
+
+    def _submit(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int,
+                on_tokens: OnTokens | None,
+                record: Callable[[SampleResponse, str], list[Choice]] | None) -> RequestFuture[TurnResult]:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+            raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_SAMPLES}]")
+        router = self.router
+        replica = router.pin(session.session_id) if session is not None else router.least_loaded()
+        engine = router.engines[replica]
+        sample = engine.sample(ModelInput(tokens_raw=prompt), n, params,
+                               session_id=None if session is None else session.session_id, on_tokens=on_tokens)
+        request_id = sample.request_id
+        router.started(replica)
+        self._turns[request_id] = (replica, session)
+        if session is not None:
+            session.in_flight[request_id] = replica
+
+        def settled(_f: RequestFuture[SampleResponse]) -> None:
+            router.finished(replica)
+            self._turns.pop(request_id, None)
+            if session is not None:
+                session.in_flight.pop(request_id, None)
+
+        def finish(resp: SampleResponse) -> TurnResult:
+            if session is not None and session.retired:
+                raise SessionGone(f"session_id={session.session_id!r}: retired while turn {request_id} ran")
+            if any(seq.stop_reason == "abort" for seq in resp.sequences):
+                raise TurnAborted(f"turn {request_id} was aborted (server shutdown); nothing was recorded")
+            if record is None:
+                choices = [self._choice(seq, self._content(seq.tokens, seq.stop_reason)) for seq in resp.sequences]
+            else:
+                choices = record(resp, request_id)
+            return TurnResult(request_id=request_id, replica=replica, prompt_tokens=len(prompt) // 4,
+                              choices=choices)
+
+        sample.add_done_callback(settled)
+        return sample.then(finish)
+
+    @staticmethod
+    def _choice(seq: Any, content: str | None) -> Choice:
+        return Choice(stop_reason=seq.stop_reason, tokens_raw=seq.tokens_raw, logprobs_raw=seq.logprobs_raw,
+                      versions_raw=seq.versions_raw, text=content)
+
+    def _content(self, ids: list[int], stop_reason: str) -> str:
+        """The text a client sees: the sampled tokens without the final stop token."""
+        renderer = self.renderer
+        assert renderer is not None
+        if ids and stop_reason == "stop" and ids[-1] in renderer.stop_ids:
+            ids = ids[:-1]
+        return renderer.decode(ids)
+
+    def _record_chat(self, session: Session, base: Boundary, suffix: np.ndarray, msgs: list[dict[str, str]],
+                     keys: list[bytes], full: str, resp: SampleResponse, request_id: str) -> list[Choice]:
+        store, renderer, sid = self.store, self.renderer, session.session_id
+        assert renderer is not None
+        kind = "prompt" if session.turns == 0 else "environment"
+        prompt_end = store.append_turn(sid, suffix, kind=kind, parent=base.handle).handle
+        session.boundaries[(keys[-1], True)] = Boundary(prompt_end, len(msgs), True, "")
+        choices = []
+        for seq in resp.sequences:
+            leaf = self._append_sampled(sid, seq, request_id, prompt_end)
+            ids = seq.tokens
+            content = self._content(ids, seq.stop_reason)
+            tail = assistant_tail(renderer, msgs, content, ids, before=full)
+            if tail is not None:
+                key = _chain(keys[-1], {"role": "assistant", "content": content})
+                session.boundaries[(key, False)] = Boundary(leaf, len(msgs) + 1, False, tail)
+            session.leaf = leaf
+            choices.append(self._choice(seq, content))
+        session.turns += 1
+        return choices
+
+    def _record_tokens(self, session: Session, prompt: bytes, resp: SampleResponse,
+                       request_id: str) -> list[Choice]:
+        store, sid = self.store, session.session_id
+        kind = "prompt" if session.turns == 0 else "environment"
+        prompt_end = store.append_turn(sid, prompt, kind=kind).handle
+        choices = []
+        for seq in resp.sequences:
+            session.leaf = self._append_sampled(sid, seq, request_id, prompt_end)
+            choices.append(self._choice(seq, None))
+        session.turns += 1
+        return choices
+
+    def _append_sampled(self, sid: str, seq: Any, request_id: str, parent: int) -> int:
+        if not seq.tokens_raw:
+            return parent
+        return self.store.append_turn(sid, seq.tokens_raw, seq.logprobs_raw, seq.versions_raw, kind="sampled",
+                                      request_id=request_id, parent=parent).handle
+
+    def abandon(self, request_id: str, reason: str) -> None:
+        """The client of turn ``request_id`` went away before its reply: the outcome is
+        unknown to it, so the turn's lease stays unknown (poisoning the gate) until the
+        session is retired or ``write_off``; nothing is recorded for the turn."""
+        entry = self._turns.get(request_id)
+        if entry is None:
+            return
+        replica, session = entry
+        engine = self.router.engines[replica]
+
+        def poisoned(f: RequestFuture[int | None]) -> None:
+            lease_id = f.result(0) if f.exception(0) is None else None
+            if lease_id is None:
+                return
+            if session is not None and not session.retired:
+                session.unknown_leases.append((replica, lease_id))
+            else:
+                engine.write_off(lease_id)
+
+        engine.abandon(request_id, reason).add_done_callback(poisoned)
+
+    def abort_all(self) -> None:
+        """Abort every turn in flight (shutdown): each settles as aborted, nothing recorded."""
+        for request_id, (replica, _session) in list(self._turns.items()):
+            self.router.engines[replica].abort(request_id)
+
+    # -- rewards and traces -----------------------------------------------------------------
+
+    def reward(self, session: Session, value: float) -> None:
+        """Attach ``value`` to the session's latest turn (the leaf of its trajectory)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise InvalidRequest("value", value, "must be a finite number")
+        if session.leaf is None:
+            raise InvalidRequest("value", value, "the session has no turn to reward yet")
+        session.rewards[session.leaf] = float(value)
+
+    def trace(self, session: Session) -> SessionTrace:
+        """The session's trajectories so far (nothing is dropped)."""
+        return self._export(session)
+
+    def _export(self, session: Session) -> SessionTrace:
+        trajectories = self.store.export(session.session_id)
+        return SessionTrace(session_id=session.session_id, trajectories=trajectories,
+                            rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns)
+

@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP server (rlengine.serve.http), tested with the official ``openai`` client.
+
+Mostly on the sim backend, whose byte vocabulary gets a plain-text chat
+template (``ByteRenderer``): fast, and every path of the server is real.
+One test runs the tiny model for streaming over a real tokenizer. Bad
+requests come from ``http.client`` over raw connections; a fuzz posts
+arbitrary bodies and headers (``RLENGINE_FUZZ_EXAMPLES``, 1000 by default)
+and requires a well-formed answer, never a 500, and a server still serving.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import time
+from urllib.parse import urlparse
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from serving import WAIT, Served, sim_config
+
+import rlengine as rle
+from rlengine.serve import ServeConfig
+
+FUZZ_EXAMPLES = int(os.environ.get("RLENGINE_FUZZ_EXAMPLES", "1000"))
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served([sim_config()], ServeConfig())
+    yield s
+    s.close()
+
+
+_clients: list[openai.OpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def oai(served, api_key="unused", **headers) -> openai.OpenAI:
+    client = openai.OpenAI(base_url=served.http_url, api_key=api_key, max_retries=0, timeout=WAIT,
+                           default_headers=headers or None)
+    _clients.append(client)
+    return client
+
+
+def raw_request(served, method, path, body=None, headers=None, timeout=WAIT):
+    url = urlparse(served.http_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def open_session(served, session_id=None):
+    status, body = raw_request(served, "POST", "/v1/sessions", {"session_id": session_id} if session_id else None)
+    assert status == 200, body
+    return body["session_id"], body["token"]
+
+
+def sid_headers(sid, token):
+    return {"X-Session-ID": sid, "X-Session-Token": token}
+
+
+USER = [{"role": "user", "content": "hello"}]
+
+
+def test_models_lists_the_served_model(served):
+    models = oai(served).models.list()
+    assert [m.id for m in models.data] == ["sim"]
+
+
+def test_binds_loopback_by_default(served):
+    assert urlparse(served.http_url).hostname == "127.0.0.1"
+
+
+def test_a_stateless_completion_is_not_traced(served):
+    before = served.on_loop(lambda: len(served.sessions.store))
+    r = oai(served).chat.completions.create(model="sim", messages=USER, max_tokens=5, seed=1)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    assert r.usage.prompt_tokens == len(b"<user>\nhello\n</user>\n<assistant>\n")
+    assert served.on_loop(lambda: len(served.sessions.store)) == before
+
+
+def test_session_turns_from_header_or_body_are_traced_exactly(served):
+    sid, token = open_session(served)
+    client = oai(served, **sid_headers(sid, token))
+    messages = list(USER)
+    r1 = client.chat.completions.create(model="sim", messages=messages, max_tokens=6, seed=2, logprobs=True)
+    assert r1.model_extra["session_id"] == sid
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "more"}]
+    r2 = oai(served).chat.completions.create(model="sim", messages=messages, max_tokens=4, seed=3,
+                                             extra_body={"session_id": sid, "session_token": token})
+    status, trace = raw_request(served, "GET", f"/v1/sessions/{sid}/trace", headers={"X-Session-Token": token})
+    assert status == 200
+    [traj] = trace["trajectories"]
+    sampled = [t for t, m in zip(traj["tokens"], traj["loss_mask"]) if m]
+    assert len(sampled) == 10 and traj["tokens"][:r1.usage.prompt_tokens] == list(
+        b"<user>\nhello\n</user>\n<assistant>\n")
+    assert r2.usage.prompt_tokens == len(traj["tokens"]) - 4
+    lps = [lp.logprob for lp in r1.choices[0].logprobs.content]
+    assert lps == pytest.approx([lp for lp, m in zip(traj["logprobs"], traj["loss_mask"]) if m][:6])
+
+
+def test_streaming_deltas_add_up_to_the_completion(served):
+    sid, token = open_session(served)
+    client = oai(served, **sid_headers(sid, token))
+    whole = client.chat.completions.create(model="sim", messages=USER, max_tokens=12, seed=9)
+    chunks = list(client.chat.completions.create(model="sim", messages=USER, max_tokens=12, seed=9, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really incremental
+
+
+def test_streaming_over_a_real_tokenizer(engine_config):
+    s = Served([engine_config("torch")], ServeConfig(ipc=False))
+    try:
+        sid, token = open_session(s)
+        client = oai(s, **sid_headers(sid, token))
+        whole = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, seed=4)
+        chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, seed=4,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+        trajectories = s.on_loop(lambda: s.sessions.store.export(sid))
+        assert len(trajectories) == 1  # the same seed sampled the same tokens: one stored path
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("make_error, status, error_type", [
+    (lambda c, sid, tok: c.with_options(default_headers=sid_headers("nobody", tok)), 404, openai.NotFoundError),
+    (lambda c, sid, tok: c.with_options(default_headers=sid_headers(sid, "wrong")), 403, openai.PermissionDeniedError),
+    (lambda c, sid, tok: c.with_options(default_headers={"X-Session-ID": sid}), 403, openai.PermissionDeniedError),
+])
+def test_session_errors_have_their_status(served, make_error, status, error_type):
+    sid, token = open_session(served)
+    client = make_error(oai(served), sid, token)
+    _clients.append(client)
+    with pytest.raises(error_type) as info:
+        client.chat.completions.create(model="sim", messages=USER, max_tokens=2)
+    assert info.value.status_code == status
+
+
+def test_a_retired_session_is_410_gone(served):
+    sid, token = open_session(served)
+    client = oai(served, **sid_headers(sid, token))
+    client.chat.completions.create(model="sim", messages=USER, max_tokens=2)
+    status, _ = raw_request(served, "DELETE", f"/v1/sessions/{sid}", headers={"X-Session-Token": token})
+    assert status == 200
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="sim", messages=USER, max_tokens=2)
+    assert info.value.status_code == 410 and info.value.body["code"] == "gone"
+    assert raw_request(served, "POST", "/v1/sessions", {"session_id": sid})[0] == 410
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"messages": []}, "messages"),
+    ({"messages": USER, "temperature": -1.0}, "temperature"),
+    ({"messages": USER, "model": "gpt-4"}, "model"),
+    ({"messages": USER, "n": 0}, "n=0"),
+    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user"}]}, "content"),
+])
+def test_bad_requests_are_400_naming_the_field(served, kwargs, fragment):
+    kwargs = {"model": "sim", "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai(served).chat.completions.create(**kwargs)
+    assert fragment in info.value.body["message"]
+
+
+def test_malformed_and_oversize_bodies(served):
+    assert raw_request(served, "POST", "/v1/chat/completions", b"{not json")[0] == 400
+    assert raw_request(served, "POST", "/v1/chat/completions", {"messages": "hi"})[0] == 400
+    status, body = raw_request(served, "POST", "/v1/chat/completions", b"x" * (17 << 20))
+    assert status == 413 and body["error"]["code"] == "frame_too_large"
+    assert raw_request(served, "GET", "/v1/nothing-here")[0] == 404
+    assert oai(served).models.list().data  # still serving
+
+
+def test_bearer_token_is_required_when_configured():
+    s = Served([sim_config()], ServeConfig(ipc=False, api_key="sekret"))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            oai(s, api_key="wrong").models.list()
+        assert raw_request(s, "GET", "/v1/models")[0] == 401
+        ok = oai(s, api_key="sekret")
+        assert ok.chat.completions.create(model="sim", messages=USER, max_tokens=2).choices
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_mid_generation_poisons_the_gate_until_settled(served, stream):
+    sid, token = open_session(served)
+    url = urlparse(served.http_url)
+    body = json.dumps({"model": "sim", "messages": USER, "max_tokens": 5000, "stream": stream}).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=WAIT)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"X-Session-ID: {sid}\r\nX-Session-Token: {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                 + body)
+    if stream:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    else:
+        time.sleep(0.1)
+    sock.close()
+    gate = served.engines[0].gate
+    deadline = time.monotonic() + WAIT
+    while not served.on_loop(gate.unknown_leases) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [lease] = served.on_loop(gate.unknown_leases)
+    assert lease.session_id == sid
+    with pytest.raises(rle.GatePoisoned):
+        served.install(seed=21)
+    session = served.on_loop(served.sessions.authorize, sid, token)
+    assert served.on_loop(served.sessions.write_off, session) == 1
+    deadline = time.monotonic() + WAIT
+    while served.on_loop(gate.unknown_leases) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    served.install(seed=22)
+    assert served.on_loop(lambda: served.sessions.store.export(sid)) == []  # nothing recorded
+
+
+# -- fuzz -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    s = Served([sim_config(gen_len=3, step_time_s=0.0)], ServeConfig(ipc=False, max_body_bytes=4096))
+    sid, token = open_session(s, "fuzz")
+    url = urlparse(s.http_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
+    yield s, sid, token, conn
+    conn.close()
+    s.close()
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10, 5000) | st.floats(-3, 3) | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                 max_size=3), max_leaves=8)
+_fields = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["sim", "other", 3]), "messages": st.one_of(
+        _json, st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", ""]),
+                                               "content": st.one_of(st.text(max_size=8), _json)}), max_size=3)),
+    "max_tokens": st.one_of(st.none(), st.integers(-2, 6)), "temperature": st.one_of(_json, st.floats(-1, 3)),
+    "top_p": st.floats(-1, 2), "top_k": st.integers(-3, 4), "n": st.integers(-1, 3), "stream": st.booleans(),
+    "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+    "seed": st.integers(-3, 3), "logprobs": st.booleans(), "session_id": st.sampled_from(["fuzz", "zz", 4]),
+    "stream_options": _json,
+})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(_fields.map(lambda d: json.dumps(d).encode()), st.binary(max_size=64)),
+       path=st.sampled_from(["/v1/chat/completions", "/v1/chat/completions", "/v1/sessions",
+                             "/v1/sessions/fuzz/reward", "/v1/models"]),
+       use_token=st.booleans(), session_header=st.sampled_from([None, "fuzz", "nobody", "x" * 300]))
+def test_fuzz_the_http_handler(fuzz_server, body, path, use_token, session_header):
+    _served, _sid, token, conn = fuzz_server
+    headers = {"Content-Type": "application/json"}
+    if session_header is not None:
+        headers["X-Session-ID"] = session_header
+    if use_token:
+        headers["X-Session-Token"] = token
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        payload = resp.read()
+    except (http.client.HTTPException, ConnectionError):
+        conn.close()  # a closed keep-alive connection is fine; the next request reconnects
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        payload = resp.read()
+    assert resp.status in (200, 400, 403, 404, 405, 409, 410, 413), (resp.status, payload[:300])
+    if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        assert payload.endswith(b"data: [DONE]\n\n")
+    elif resp.status != 405:
+        decoded = json.loads(payload)
+        assert ("error" in decoded) == (resp.status >= 400)
