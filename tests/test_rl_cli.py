@@ -140,7 +140,8 @@ def test_resume_after_sigkill_continues_with_the_identical_data_order(tmp_path):
     got, want = step_view(killed), step_view(reference)
     assert [s[0] for s in got] == list(range(1, 41)), points
     for g, w in zip(got, want):
-        assert g == pytest.approx(w, rel=1e-9, abs=1e-12), (points, g[0])
+        assert (g[0], g[3]) == (w[0], w[3]), points
+        assert g[1:3] == pytest.approx(w[1:3], rel=1e-9, abs=1e-12), (points, g[0])
     groups = ledger(killed)
     assert sorted(groups) == list(range(160)) and all(len(d) == 1 for d in groups.values()), points
 

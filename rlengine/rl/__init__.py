@@ -1,7 +1,8 @@
 """Reinforcement learning on the engine: environments, rollouts, the async training loop, recipes.
 
-``types`` holds the abstractions (``Env``, ``EnvGroupBuilder``, ``RLDataset``,
-trajectories), ``rollouts`` runs them through the engine, ``advantages``
+``types`` holds the abstractions (``Env``, ``AgentEnv``, ``EnvGroupBuilder``,
+``RLDataset``, trajectories), ``rollouts`` runs them through the engine,
+``sandbox`` runs agent episodes in sandbox processes over IPC, ``advantages``
 turns groups into training data, ``loop`` is the pipeline with its shutdown
 cascade, ``checkpoint``, ``metrics`` and ``plot`` what a run leaves on disk, ``run``
 one run end to end, ``recipes`` the built-in tasks and ``cli`` the
@@ -11,6 +12,7 @@ one run end to end, ``recipes`` the built-in tasks and ``cli`` the
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.errors import CheckpointError, DataExhausted, InvalidReward, RunInterrupted, StageTimeout
 from rlengine.rl.types import (
+    AgentEnv,
     AttemptFailure,
     Env,
     EnvGroupBuilder,
@@ -22,6 +24,6 @@ from rlengine.rl.types import (
     Transition,
 )
 
-__all__ = ["AttemptFailure", "CheckpointError", "DataExhausted", "Env", "EnvGroupBuilder", "InvalidReward",
+__all__ = ["AgentEnv", "AttemptFailure", "CheckpointError", "DataExhausted", "Env", "EnvGroupBuilder", "InvalidReward",
            "Observation", "RLDataset", "RunInterrupted", "StageTimeout", "StepResult", "TrainConfig", "Trajectory",
            "TrajectoryGroup", "Transition"]

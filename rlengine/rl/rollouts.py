@@ -38,6 +38,7 @@ from rlengine.clients import SamplingClient
 from rlengine.errors import EngineDeadError, RequestError
 from rlengine.rl.errors import InvalidReward
 from rlengine.rl.types import (
+    AgentEnv,
     AttemptFailure,
     Env,
     EnvGroupBuilder,
@@ -98,9 +99,36 @@ def _turn_params(base: SamplingParams, observation: Observation, seed: int) -> S
     return msgspec.structs.replace(base, **changes)
 
 
-async def run_episode(env: Env, client: SamplingClient, params: SamplingParams, seed: int, *,
+async def _agent_episode(env: AgentEnv, params: SamplingParams, seed: int, max_turns: int) -> Trajectory:
+    """One episode an ``AgentEnv`` drives; its failure (a crashed sandbox) fails the attempt."""
+    try:
+        metadata = env.metadata()
+    except Exception as exc:  # noqa: BLE001 - a broken environment fails its attempt only
+        return Trajectory(transitions=[], failure=_failure("metadata", exc, 0))
+    try:
+        try:
+            trajectory = await env.run(params, seed, max_turns)
+            if not isinstance(trajectory, Trajectory):
+                raise TypeError(f"{type(env).__name__}.run returned {type(trajectory).__name__}, not a Trajectory")
+            for turn, t in enumerate(trajectory.transitions):
+                _check_reward(f"turn {turn} reward", t.reward)
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
+            return Trajectory(transitions=[], failure=_failure("agent", exc, -1), metadata=metadata)
+        return msgspec.structs.replace(trajectory, metadata={**metadata, **trajectory.metadata})
+    finally:
+        try:
+            await env.close()
+        except Exception:
+            log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
+
+
+async def run_episode(env: Env | AgentEnv, client: SamplingClient, params: SamplingParams, seed: int, *,
                       max_turns: int) -> Trajectory:
     """One episode of ``env``; an environment or request failure ends it as a failed attempt."""
+    if isinstance(env, AgentEnv):
+        return await _agent_episode(env, params, seed, max_turns)
     transitions: list[Transition] = []
     turn = 0
     try:
@@ -151,7 +179,7 @@ async def run_episode(env: Env, client: SamplingClient, params: SamplingParams, 
             log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
 
 
-async def _bounded_episode(env: Env, client: SamplingClient, params: SamplingParams, seed: int,
+async def _bounded_episode(env: Env | AgentEnv, client: SamplingClient, params: SamplingParams, seed: int,
                            max_turns: int, timeout_s: float) -> Trajectory:
     started = time.monotonic()
     try:
@@ -170,7 +198,7 @@ async def rollout_group(builder: EnvGroupBuilder, client: SamplingClient, params
     A failing builder, a dead engine or cancellation cancels the sibling
     episodes (a task group) and propagates.
     """
-    envs: Sequence[Env] = await builder.make_envs()
+    envs: Sequence[Env | AgentEnv] = await builder.make_envs()
     if not envs:
         raise ValueError(f"{type(builder).__name__}.make_envs returned no environments")
     async with asyncio.TaskGroup() as tasks:

@@ -11,7 +11,9 @@ train`` calls and what a program may call instead:
    JSON-lines logs are cut back to its step;
 3. the engine starts on a fresh uvloop loop in this thread, with SIGINT and
    SIGTERM turned into ``TrainingRun.interrupt`` (a bounded, cascading stop);
-4. ``TrainingRun`` runs; the engine is closed whatever happened;
+4. the recipe's ``attach`` starts what its environments need beside the
+   engine (a server, sandboxes), ``TrainingRun`` runs; both are closed,
+   then the engine, whatever happened;
 5. the reward curve is drawn and the summary computed from the files.
 
 The outcome carries the error, if any, for the caller to re-raise or turn
@@ -179,7 +181,7 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
             except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
                 pass
         try:
-            async with Engine(engine_config) as engine:
+            async with Engine(engine_config) as engine, the_recipe.attach(engine, dataset, eval_dataset):
                 run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
                                   resume=checkpoint, on_step=on_step, on_eval=on_eval)
                 for signum, name in pending_signal:

@@ -10,6 +10,11 @@ Shaped like the Tinker cookbook's, so its users feel at home:
   (a sandbox process reached over IPC): the loop only awaits it, and an
   exception it raises (a crashed sandbox, a broken connection) marks that one
   attempt failed instead of ending the run.
+* ``AgentEnv`` - an episode the environment drives itself, typically an
+  agent in a sandbox process that samples through the engine's IPC server
+  (``rlengine.client``) and sends its reward there: ``run`` returns the
+  ``Trajectory``, built from the session's exact trace (see
+  ``rlengine.rl.sandbox``). Its exceptions fail the attempt, as ``Env``'s do.
 * ``EnvGroupBuilder`` - makes the ``group_size`` environments of one group
   (the same task, several attempts: GRPO compares attempts within a group)
   and may add a reward computed over the whole group.
@@ -40,9 +45,9 @@ from typing import Any
 
 import msgspec
 
-from rlengine.types import ModelInput, SampledSequence
+from rlengine.types import ModelInput, SampledSequence, SamplingParams
 
-__all__ = ["AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "Observation", "RLDataset", "StepResult",
+__all__ = ["AgentEnv", "AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "Observation", "RLDataset", "StepResult",
            "Trajectory", "TrajectoryGroup", "Transition"]
 
 Metrics = dict[str, float]
@@ -85,7 +90,8 @@ class AttemptFailure(msgspec.Struct, kw_only=True, frozen=True):
     """Why one attempt (one environment of a group) produced no usable trajectory."""
 
     stage: str
-    """``metadata``, ``initial_observation``, ``sample``, ``step``, ``max_turns`` or ``timeout``."""
+    """``metadata``, ``initial_observation``, ``sample``, ``step``, ``max_turns``, ``timeout`` or
+    (an ``AgentEnv``) ``agent``."""
     error: str
     """The exception type."""
     message: str
@@ -165,11 +171,28 @@ class Env(abc.ABC):
         return {}
 
 
+class AgentEnv(abc.ABC):
+    """An episode driven by the environment itself (an agent in a sandbox); see the module docstring."""
+
+    @abc.abstractmethod
+    async def run(self, params: SamplingParams, seed: int, max_turns: int) -> Trajectory:
+        """Play one episode, sampling with ``params`` (per-turn seeds derived from ``seed``),
+        at most ``max_turns`` turns; return its trajectory (exact tokens, logprobs, versions)."""
+
+    async def close(self) -> None:
+        """Release what the episode holds; called once per episode, also after a failure."""
+        return
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-able facts about this environment for the logs (e.g. a sandbox id)."""
+        return {}
+
+
 class EnvGroupBuilder(abc.ABC):
     """Makes the environments of one group; see the module docstring."""
 
     @abc.abstractmethod
-    async def make_envs(self) -> Sequence[Env]:
+    async def make_envs(self) -> Sequence[Env | AgentEnv]:
         """The group's environments, one per attempt."""
 
     async def compute_group_rewards(self, trajectories: Sequence[Trajectory]) -> list[float]:

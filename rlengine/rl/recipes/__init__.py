@@ -11,9 +11,13 @@ Built in:
 * ``copy`` - copy the digits of the prompt ("123=" -> "123$") with a
   character-level model built locally; single-turn, shaped reward, learns
   on CPU in minutes (``copy_digits``).
+* ``guess`` - a multi-turn guessing game; each game runs in a sandbox
+  process that samples through the engine's IPC server (``guess``,
+  ``guess_sandbox``).
 
-Not built yet: a multi-turn recipe whose environments run in sandbox
-processes over IPC (it needs the sandbox client, ``rlengine.client``).
+A recipe whose environments need something running beside the engine (a
+server, sandbox processes) provides it in ``attach``, entered once the
+engine runs and left before it closes.
 
 This module must not run anything.
 """
@@ -21,6 +25,7 @@ This module must not run anything.
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 from typing import Any, ClassVar
 
@@ -35,6 +40,7 @@ __all__ = ["BUILTIN", "Recipe", "load_recipe"]
 
 BUILTIN: dict[str, str] = {
     "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
+    "guess": "rlengine.rl.recipes.guess:RECIPE",
 }
 
 
@@ -58,6 +64,11 @@ class Recipe(abc.ABC):
     @abc.abstractmethod
     def datasets(self, config: TrainConfig, options: Any) -> tuple[RLDataset, RLDataset | None]:
         """The training dataset and the held-out one (None: no evaluation)."""
+
+    def attach(self, engine: Any, dataset: RLDataset,
+               eval_dataset: RLDataset | None) -> contextlib.AbstractAsyncContextManager[Any]:
+        """What the environments need beside the running engine, for the run (default: nothing)."""
+        return contextlib.nullcontext()
 
 
 def load_recipe(name: str) -> Recipe:

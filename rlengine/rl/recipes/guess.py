@@ -1,0 +1,179 @@
+"""Recipe ``guess``: a multi-turn guessing game whose environments run in sandbox processes over IPC.
+
+The secret is a digit; the model guesses, the game answers ``<`` or ``>``,
+the model guesses again (``guess_sandbox`` has the rules). Each attempt is
+one episode in a sandbox worker process (a ``SandboxPool`` of ``sandboxes``
+of them): the worker attaches to a session the trainer opened on the
+engine's IPC server, samples every turn through it with the sandbox client
+and sends its reward there; the trainer trains on the session's exact
+trace (tokens, logprobs and policy versions as sampled), never on
+re-tokenized text. One training sequence per episode: every turn extends
+the previous context token for token.
+
+A random policy finds the secret in about one game in six (a guess that is
+not a digit ends the game); finding it every time within ``max_turns`` = 4
+guesses takes a binary search that uses the answers.
+
+``crash_every`` > 0 is fault injection: every ``crash_every``-th attempt's
+sandbox exits abruptly mid-game; the attempt fails, the worker is replaced
+and the run goes on (``min_surviving_attempts`` decides the group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+from rlengine.config import EngineConfig
+from rlengine.engine import Engine
+from rlengine.errors import ConfigurationError
+from rlengine.models import prepare_char_model
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.recipes import Recipe
+from rlengine.rl.recipes.guess_sandbox import ALPHABET
+from rlengine.rl.sandbox import SandboxPool, SessionEnv
+from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
+
+__all__ = ["RECIPE", "GuessGame", "GuessOptions"]
+
+SANDBOX_MODULE = "rlengine.rl.recipes.guess_sandbox"
+
+
+class GuessOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    sandboxes: int = 2
+    """Sandbox worker processes (each plays many games at once)."""
+    crash_every: int = 0
+    """Fault injection: every n-th attempt's sandbox exits mid-game (0: never)."""
+    job_timeout_s: float = 60.0
+    """Longest one game may take in its sandbox."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("sandboxes", 1), ("crash_every", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigurationError(f"{name}={v!r}: must be an integer >= {low}")
+        if isinstance(self.job_timeout_s, bool) or not isinstance(self.job_timeout_s, (int, float)) \
+                or not self.job_timeout_s > 0:
+            raise ConfigurationError(f"job_timeout_s={self.job_timeout_s!r}: must be > 0")
+
+
+class _World:
+    """What the environments reach at run time: the server's sessions and the sandbox pool."""
+
+    def __init__(self, options: GuessOptions) -> None:
+        self.options = options
+        self.pool: SandboxPool | None = None
+        self.sessions: Any = None
+        self._attempts = 0
+
+    def env(self, secret: int, group: int) -> AgentEnv:
+        if self.pool is None:
+            raise RuntimeError("the guess recipe's sandboxes are not running (Recipe.attach was not entered)")
+        self._attempts += 1
+        task: dict[str, Any] = {"secret": secret}
+        every = self.options.crash_every
+        if every and self._attempts % every == 0:
+            task["crash_at_turn"] = 1
+        return SessionEnv(self.pool, self.sessions, task, {"group_secret": secret})
+
+
+class GuessGroup(EnvGroupBuilder):
+    def __init__(self, world: _World, secret: int, index: int, size: int) -> None:
+        self.world = world
+        self.secret = secret
+        self.index = index
+        self.size = size
+
+    async def make_envs(self) -> Sequence[AgentEnv]:
+        return [self.world.env(self.secret, self.index) for _ in range(self.size)]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"secret": self.secret}
+
+
+class GuessDataset(RLDataset):
+    """``batches`` batches of ``groups`` secrets, batch ``i`` drawn by ``rng([seed, i])``."""
+
+    def __init__(self, world: _World, batches: int, groups: int, group_size: int, seed: int) -> None:
+        self.world = world
+        self.batches = batches
+        self.groups = groups
+        self.group_size = group_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if not 0 <= index < self.batches:
+            raise IndexError(f"batch {index} of {self.batches}")
+        secrets = np.random.default_rng([self.seed, index]).integers(0, 10, self.groups)
+        return [GuessGroup(self.world, int(s), index, self.group_size) for s in secrets]
+
+
+class EveryDigit(RLDataset):
+    """Evaluation: each of the ten secrets once."""
+
+    def __init__(self, world: _World) -> None:
+        self.world = world
+
+    def __len__(self) -> int:
+        return 1
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if index != 0:
+            raise IndexError(f"batch {index} of 1")
+        return [GuessGroup(self.world, s, -1, 1) for s in range(10)]
+
+
+class GuessGame(Recipe):
+    name = "guess"
+    description = "guess a digit from '<' / '>' answers, multi-turn, each game in a sandbox process over IPC"
+    defaults: ClassVar[dict[str, Any]] = {
+        "steps": 150, "groups_per_batch": 16, "group_size": 8, "max_tokens": 1, "max_turns": 4,
+        "temperature": 1.0, "loss_fn": "ppo", "entropy_coef": 0.05, "learning_rate": 2e-3, "num_substeps": 4,
+        "grad_clip_norm": 1.0, "skip_constant_reward": True, "eval_every": 25, "eval_temperature": 0.0,
+        "min_surviving_attempts": 2,
+    }
+    Options = GuessOptions
+
+    def engine_config(self, config: TrainConfig, options: GuessOptions) -> EngineConfig:
+        if config.backend == "sim":
+            raise ConfigurationError("backend='sim': the guess recipe needs a model backend (torch or vllm)")
+        if config.max_tokens != 1:
+            raise ConfigurationError(f"max_tokens={config.max_tokens}: a guess is one token (max_tokens=1)")
+        path = prepare_char_model(ALPHABET, "$", cache_dir=config.cache_dir, seed=config.seed,
+                                  max_position_embeddings=max(64, 2 * config.max_turns + 4))
+        return EngineConfig(model=path, backend=config.backend, cache_dir=config.cache_dir)
+
+    def datasets(self, config: TrainConfig, options: GuessOptions) -> tuple[RLDataset, RLDataset | None]:
+        world = _World(options)
+        batches = config.steps if config.steps is not None else 150
+        return (GuessDataset(world, batches, config.groups_per_batch, config.group_size, config.seed),
+                EveryDigit(world))
+
+    @contextlib.asynccontextmanager
+    async def attach(self, engine: Engine, dataset: RLDataset, eval_dataset: RLDataset | None) -> AsyncIterator[None]:
+        """The IPC server on the engine and the sandbox pool, for the run."""
+        from rlengine.serve.server import ServeConfig, Server
+
+        assert isinstance(dataset, GuessDataset)
+        world = dataset.world
+        options = world.options
+        async with Server(engine, ServeConfig(http=False, max_in_flight=4096)) as server:
+            pool = SandboxPool(SANDBOX_MODULE, options.sandboxes, job_timeout_s=options.job_timeout_s)
+            try:
+                assert server.ipc_path is not None
+                await pool.start(server.ipc_path)
+                world.pool, world.sessions = pool, server.sessions
+                yield
+            finally:
+                world.pool = None
+                await pool.aclose()
+
+
+RECIPE = GuessGame()

@@ -1,0 +1,74 @@
+"""The guessing game's sandbox worker: the environment *and* the agent loop, in its own process.
+
+``python -m rlengine.rl.recipes.guess_sandbox SOCKET`` (started by the
+``guess`` recipe's ``SandboxPool``): for every job it attaches to the
+session the trainer opened, and plays one game through the engine's IPC
+server with token turns. The prompt is ``?``; each turn the model samples
+one token, a guess; the game answers ``<`` (the secret is smaller) or ``>``
+(larger) and the model guesses again, up to ``max_turns`` guesses. Any
+token that is not a digit ends the game. The reward, sent through the
+session: 1.0 when the secret was found, else 0.0.
+
+A job with ``"crash_at_turn": k`` makes the process exit abruptly before
+turn ``k`` (fault injection: the trainer must fail that attempt, replace
+the sandbox and go on).
+
+It talks to the trainer only through the IPC client (``rlengine.client``)
+and its job lines, as a sandbox on another machine would; it imports no
+torch and no engine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ALPHABET = "0123456789<>?$"
+"""Token ``i + 1`` is ``ALPHABET[i]``; token 0 is padding; ``$`` is the model's end token."""
+START, LOWER, HIGHER = (ALPHABET.index(c) + 1 for c in "?<>")
+
+
+def digit(token: int) -> int | None:
+    """The digit a token stands for, or None."""
+    return token - 1 if 1 <= token <= 10 else None
+
+
+def answer(secret: int, guess: int) -> int:
+    """The game's reply token to a wrong guess."""
+    return LOWER if secret < guess else HIGHER
+
+
+async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
+    session = client.session(job["session"], job["token"])
+    task = job["task"]
+    secret, crash_at = int(task["secret"]), task.get("crash_at_turn")
+    sampling = job["sampling"]
+    tokens = [START]
+    found = invalid = False
+    turns = 0
+    for turn in range(int(job["max_turns"])):
+        if crash_at is not None and turn == crash_at:
+            os._exit(3)
+        reply = await session.generate(tokens, max_tokens=1, temperature=sampling["temperature"],
+                                       top_p=sampling["top_p"], top_k=sampling["top_k"],
+                                       seed=(int(job["seed"]) * 1_000_003 + turn) % (1 << 63))
+        got = reply.choices[0].tokens
+        tokens.extend(got)
+        turns += 1
+        guess = digit(got[0]) if len(got) == 1 else None
+        if guess is None:
+            invalid = True
+            break
+        if guess == secret:
+            found = True
+            break
+        tokens.append(answer(secret, guess))
+    await session.reward(1.0 if found else 0.0)
+    await session.close()
+    return {"metrics": {"found": float(found), "turns": float(turns), "invalid": float(invalid)}}
+
+
+if __name__ == "__main__":
+    from rlengine.rl.sandbox import worker_main
+
+    worker_main(play)
