@@ -1,7 +1,7 @@
-"""RL loop benchmarks (pytest-benchmark); figures in bench/RESULTS_rl.md.
+"""RL loop benchmarks (pytest-benchmark); figures in bench/RESULTS.md.
 
 * **copy recipe to 0.9**: ``rlengine train copy`` with its defaults, one run
-  per seed (0, 1, 2): the first step whose mean training reward reaches
+  per seed (0, 1, 2, 3): the first step whose mean training reward reaches
   0.9, and the RL wall time to it (``time_s`` of that step: counted from the
   loop's start, after the model is built and the engine is up), plus the
   first step's reward (a random model: about 0.02).
@@ -11,6 +11,11 @@
   sync is measured in one run of this file. The same runs give the share of
   each step's wall time in which the sampler ran no backend step (the
   engine's ``busy_s`` counter), median over steps.
+* **guess recipe**: ``rlengine train guess`` with its defaults (every game
+  in a sandbox process over IPC), seed 0: mean reward over the first and
+  last 10 steps, the held-out evaluations (each digit once, greedy), the
+  failed attempts, seconds per step and the sampler-vs-trainer KL of the
+  traced tokens.
 
     OMP_NUM_THREADS=1 python -m pytest bench/test_rl.py --benchmark-only -s
 """
@@ -28,7 +33,7 @@ import pytest
 from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.run import train
 
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1, 2, 3)
 ROUNDS = 3
 STEPS = 40
 
@@ -89,3 +94,34 @@ def test_sync_vs_async_steps_per_second(benchmark, tmp_path, cache):
     benchmark.extra_info.update(info)
     print()
     print(info)
+
+
+def test_guess_recipe_through_sandboxes(benchmark, tmp_path, cache):
+    result = {}
+
+    def run() -> None:
+        outcome = train("guess", {"cache_dir": cache, "backend": "torch", "checkpoint_every": "0"},
+                        run_dir=str(tmp_path / "guess"))
+        assert outcome.error is None, outcome.error
+        steps = read_jsonl(outcome.metrics_path)
+        evals = read_jsonl(str(tmp_path / "guess" / "eval.jsonl"))
+        result.update({
+            "steps": len(steps),
+            "reward_first10": round(statistics.mean(s["reward_mean"] for s in steps[:10]), 3),
+            "reward_last10": round(statistics.mean(s["reward_mean"] for s in steps[-10:]), 3),
+            "eval": [(e["step"], round(e["reward_mean"], 2)) for e in evals],
+            "turns_first10": round(statistics.mean(s["env/turns"] for s in steps[:10]), 2),
+            "turns_last10": round(statistics.mean(s["env/turns"] for s in steps[-10:]), 2),
+            "invalid_first10": round(statistics.mean(s["env/invalid"] for s in steps[:10]), 3),
+            "invalid_last10": round(statistics.mean(s["env/invalid"] for s in steps[-10:]), 3),
+            "attempts_failed": sum(s["attempts_failed"] for s in steps),
+            "kl_sample_train_max": max(s.get("kl_sample_train_v1", 0.0) for s in steps),
+            "seconds_per_step_median": round(statistics.median(s["step_time_s"] for s in steps), 3),
+            "rl_seconds": round(steps[-1]["time_s"], 1)})
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print()
+    print(result)
+    assert result["attempts_failed"] == 0
+    assert result["kl_sample_train_max"] < 1e-4

@@ -134,7 +134,7 @@ class GuessGame(Recipe):
     name = "guess"
     description = "guess a digit from '<' / '>' answers, multi-turn, each game in a sandbox process over IPC"
     defaults: ClassVar[dict[str, Any]] = {
-        "steps": 150, "groups_per_batch": 16, "group_size": 8, "max_tokens": 1, "max_turns": 4,
+        "steps": 300, "groups_per_batch": 16, "group_size": 8, "max_tokens": 1, "max_turns": 4,
         "temperature": 1.0, "loss_fn": "ppo", "entropy_coef": 0.05, "learning_rate": 2e-3, "num_substeps": 4,
         "grad_clip_norm": 1.0, "skip_constant_reward": True, "eval_every": 25, "eval_temperature": 0.0,
         "min_surviving_attempts": 2,
@@ -152,7 +152,7 @@ class GuessGame(Recipe):
 
     def datasets(self, config: TrainConfig, options: GuessOptions) -> tuple[RLDataset, RLDataset | None]:
         world = _World(options)
-        batches = config.steps if config.steps is not None else 150
+        batches = config.steps if config.steps is not None else 300
         return (GuessDataset(world, batches, config.groups_per_batch, config.group_size, config.seed),
                 EveryDigit(world))
 
