@@ -83,9 +83,14 @@ class _Seq(msgspec.Struct, gc=False):
 
     def add(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
         if self.tokens is None:
-            # Most sequences report once (non-streaming): build the arrays then.
-            self.tokens = array("i", token_ids)
-            self.logprobs = array("f", logprobs)
+            # Most sequences report once (non-streaming): build the arrays then, or take
+            # the backend's own arrays (handed over: see ``RequestOutput.token_ids``).
+            if type(token_ids) is array and type(logprobs) is array and token_ids.typecode == "i" \
+                    and logprobs.typecode == "f":
+                self.tokens, self.logprobs = token_ids, logprobs
+            else:
+                self.tokens = array("i", token_ids)
+                self.logprobs = array("f", logprobs)
             self.version = version
             return
         if self.version != version:

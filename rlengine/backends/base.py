@@ -78,7 +78,9 @@ class RequestOutput:
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
-        """New token ids: a list, or an array('i') (anything ``array('i', ...)`` takes)."""
+        """New token ids: a list, or an array('i') (anything ``array('i', ...)`` takes). An
+        ``array('i')`` token_ids with an ``array('f')`` logprobs is handed over: the engine
+        may keep both objects, so a backend must not reuse them."""
         self.logprobs = logprobs
         self.finished = finished
         self.stop_reason = stop_reason
