@@ -17,6 +17,7 @@ subprocess tests load it as ``rl_sim:RECIPE`` with ``tests/`` on the path.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any, ClassVar
 
@@ -56,6 +57,9 @@ class SimOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     """Simulated backend time per step."""
     env_delay_s: float = 0.0
     """Every env step sleeps this long."""
+    delay_jitter: int = 0
+    """n > 0: each env step sleeps a multiple (0 to 2) of env_delay_s drawn from (n, group, attempt):
+    it changes the order in which rollouts finish, not what they produce."""
     turns: int = 1
     """Turns per episode: each turn's observation extends the previous context."""
     fail_dataloader_at: int = -1
@@ -90,7 +94,9 @@ class SimEnv(Env):
     async def step(self, action: list[int]) -> StepResult:
         o = self.options
         if o.env_delay_s:
-            await asyncio.sleep(o.env_delay_s)
+            scale = 1.0 if not o.delay_jitter else random.Random(hash((o.delay_jitter, self.index, self.attempt,
+                                                                       self.turn))).uniform(0.0, 2.0)
+            await asyncio.sleep(o.env_delay_s * scale)
         if self.slow:
             await asyncio.sleep(o.slow_s)
         if o.fail_attempts_every and self.attempt % o.fail_attempts_every == 0:

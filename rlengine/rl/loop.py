@@ -23,7 +23,11 @@ connected by queues:
   minibatch sent to ``forward_backward`` as soon as it is complete) go
   through it. Then one optimizer step (or ``num_substeps`` of them, each on
   a part of the batch), one weight install (a new policy version), one
-  metrics line, and every K steps a quiescent checkpoint.
+  metrics line, and every K steps a quiescent checkpoint. Outside streaming,
+  the batch's datums are put in group order first: groups arrive in the
+  order their rollouts finish, and the training must not depend on timing
+  (a seed gives the same run with or without evaluations, checkpoints or a
+  slow sandbox).
   When it stops, for whatever reason, it signals the evaluation loop.
 * the **evaluation loop** evaluates the held-out split when asked (at the
   start, every N steps, after the last) and re-checks shutdown after every
@@ -104,6 +108,9 @@ class _StepBatch:
         self.datums: list[Datum] = []
         self.masks: list[np.ndarray] = []
         self.pending_datums: list[Datum] = []
+        self.pending_keys: list[tuple[int, int, int]] = []
+        """(group index, attempt, datum) of each pending datum: the batch's order, whatever
+        order the groups arrived in."""
         self.pending_groups = 0
         self.fb: list[tuple[Any, list[int]]] = []
         """(forward_backward future, indices of its datums) per submitted forward_backward."""
@@ -424,12 +431,25 @@ class TrainingRun:
         if oldest is not None:
             batch.staleness.append(self.updates - oldest)
         for i, advantage in zip(verdict.kept, verdict.advantages):
-            for datum, mask in trajectory_datums(group.trajectories[i], advantage, with_mask=cfg.entropy_coef > 0):
+            for j, (datum, mask) in enumerate(trajectory_datums(group.trajectories[i], advantage,
+                                                                 with_mask=cfg.entropy_coef > 0)):
                 batch.pending_datums.append(datum)
+                batch.pending_keys.append((item.index, i, j))
                 batch.masks.append(mask)
         batch.pending_groups += 1
         if cfg.num_minibatches > 1 and batch.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
             self._submit_minibatch(batch)
+
+    @staticmethod
+    def _in_group_order(batch: _StepBatch) -> None:
+        """Put the pending datums (and their masks) in group order: the groups arrive in
+        whatever order their rollouts finish, and the training must not depend on it."""
+        keys = batch.pending_keys
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        first = len(batch.masks) - len(keys)
+        batch.pending_datums = [batch.pending_datums[i] for i in order]
+        batch.masks[first:] = [batch.masks[first + i] for i in order]
+        batch.pending_keys = [keys[i] for i in order]
 
     def _submit_minibatch(self, batch: _StepBatch) -> None:
         if batch.pending_datums:
@@ -437,7 +457,7 @@ class TrainingRun:
             first = len(batch.datums)
             batch.fb.append((future, list(range(first, first + len(batch.pending_datums)))))
             batch.datums += batch.pending_datums
-        batch.pending_datums, batch.pending_groups = [], 0
+        batch.pending_datums, batch.pending_keys, batch.pending_groups = [], [], 0
 
     def _submit_training(self, batch: _StepBatch, step: int, adam: AdamParams) -> list[Any]:
         """Queue the step's training calls; returns the optimizer steps' futures.
@@ -448,11 +468,13 @@ class TrainingRun:
         parts see weights already updated, which is where PPO's clipping acts.
         """
         cfg = self.cfg
+        if cfg.num_minibatches == 1:
+            self._in_group_order(batch)
         if cfg.num_substeps == 1:
             self._submit_minibatch(batch)
             batch.on_policy = len(batch.fb)
             return [self.training.optim_step(adam)] if batch.fb else []
-        datums, batch.pending_datums = batch.pending_datums, []
+        datums, batch.pending_datums, batch.pending_keys = batch.pending_datums, [], []
         batch.datums = datums
         order = np.random.default_rng([cfg.seed, step]).permutation(len(datums))
         optims = []
