@@ -17,7 +17,7 @@ per batch, or four, some seeds sat at 0.4-0.5 for hundreds of steps), Adam at
 tokens, kept on for groups whose rewards are all equal
 (``skip_constant_reward=False``). Without the bonus the end token's
 probability collapses and runs stall at 0.75 (three digits, no end).
-Seeds differ a lot in how long they take (0.9 at step 55-268 for seeds
+Seeds differ a lot in how long they take (0.9 at step 129-229 for seeds
 0-3), hence 500 steps by default (about 3.5 minutes on two cores).
 
 ``eval_size`` numbers (default 100 of the 1000) are held out of training; every ``eval_every`` steps
