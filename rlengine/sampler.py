@@ -242,7 +242,7 @@ class SamplerLoop:
             item.seqs = []
             for i in range(n):
                 seed = rng.getrandbits(63) if base is None else derive_seed(base, i)
-                seq = _Seq(item, i, f"{rid}.{i}", seed)
+                seq = _Seq(item, i, rid if n == 1 else f"{rid}.{i}", seed)
                 item.seqs.append(seq)
                 seqs[seq.backend_id] = seq
                 # Inline for fresh sequences (the hot path); resumed ones use _backend_request.
