@@ -61,6 +61,8 @@ class Lease(msgspec.Struct, gc=False):
     state: str = _ACTIVE
     versions: set[int] | None = None
     reason: str = ""
+    outcome: str = ""
+    """Once settled: completed, aborted, failed or written_off."""
 
     def __repr__(self) -> str:
         return f"<Lease {self.lease_id} {self.request_id} {self.state}>"
@@ -78,6 +80,13 @@ class Lease(msgspec.Struct, gc=False):
     def mark_unknown(self, reason: str) -> None:
         """The outcome cannot be known: keep the lease, poisoning the gate."""
         self.gate.mark_unknown(self, reason)
+
+
+def _receipt(lease: Lease) -> Receipt:
+    known = lease.versions
+    ordered = ([*known] if len(known) == 1 else sorted(known)) if known else []
+    return Receipt(lease_id=lease.lease_id, request_id=lease.request_id, session_id=lease.session_id,
+                   versions=ordered, outcome=lease.outcome)  # type: ignore[arg-type]
 
 
 class SampleItem(msgspec.Struct, gc=False):
@@ -158,7 +167,8 @@ class Scheduler:
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.on_drained: Callable[[], None] | None = None
         """Called whenever the last running lease ends (the sampler loop wakes on it)."""
-        self.receipts: deque[Receipt] = deque(maxlen=receipts_kept)
+        self._settled: deque[Lease] = deque(maxlen=receipts_kept)
+        """The latest settled leases; their receipts are built when asked for (``receipts``)."""
 
     # -- the FIFO -------------------------------------------------------------
 
@@ -273,16 +283,24 @@ class Scheduler:
             raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
         if outcome not in ("completed", "aborted", "failed", "written_off"):
             raise GateError(f"outcome={outcome!r}: must be completed, aborted, failed or written_off")
+        if versions:
+            lease.versions = set(versions) if lease.versions is None else lease.versions | set(versions)
+        self._close(lease, outcome)
+        return _receipt(lease)
+
+    def _close(self, lease: Lease, outcome: str) -> None:
+        """Settle a live lease without building its receipt (the sampler's hot path)."""
+        if lease.state is _SETTLED:
+            raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
         self._forget(lease)
         lease.state = _SETTLED
-        known = lease.versions
-        if versions:
-            known = set(versions) if known is None else known | set(versions)
-        ordered = ([*known] if len(known) == 1 else sorted(known)) if known else []
-        receipt = Receipt(lease_id=lease.lease_id, request_id=lease.request_id, session_id=lease.session_id,
-                          versions=ordered, outcome=outcome)
-        self.receipts.append(receipt)
-        return receipt
+        lease.outcome = outcome
+        self._settled.append(lease)
+
+    @property
+    def receipts(self) -> list[Receipt]:
+        """Receipts of the latest settled leases (at most ``receipts_kept``), oldest first."""
+        return [_receipt(lease) for lease in self._settled]
 
     def mark_unknown(self, lease: Lease, reason: str) -> None:
         if lease.state == _SETTLED:
