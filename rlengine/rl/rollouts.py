@@ -31,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -99,84 +100,81 @@ def _turn_params(base: SamplingParams, observation: Observation, seed: int) -> S
     return msgspec.structs.replace(base, **changes)
 
 
-async def _agent_episode(env: AgentEnv, params: SamplingParams, seed: int, max_turns: int) -> Trajectory:
+async def _agent_episode(env: AgentEnv, params: SamplingParams, seed: int, max_turns: int,
+                         metadata: dict[str, Any]) -> Trajectory:
     """One episode an ``AgentEnv`` drives; its failure (a crashed sandbox) fails the attempt."""
     try:
-        metadata = env.metadata()
-    except Exception as exc:  # noqa: BLE001 - a broken environment fails its attempt only
-        return Trajectory(transitions=[], failure=_failure("metadata", exc, 0))
-    try:
-        try:
-            trajectory = await env.run(params, seed, max_turns)
-            if not isinstance(trajectory, Trajectory):
-                raise TypeError(f"{type(env).__name__}.run returned {type(trajectory).__name__}, not a Trajectory")
-            for turn, t in enumerate(trajectory.transitions):
-                _check_reward(f"turn {turn} reward", t.reward)
-        except (EngineDeadError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
-            return Trajectory(transitions=[], failure=_failure("agent", exc, -1), metadata=metadata)
-        return msgspec.structs.replace(trajectory, metadata={**metadata, **trajectory.metadata})
-    finally:
-        try:
-            await env.close()
-        except Exception:
-            log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
+        trajectory = await env.run(params, seed, max_turns)
+        if not isinstance(trajectory, Trajectory):
+            raise TypeError(f"{type(env).__name__}.run returned {type(trajectory).__name__}, not a Trajectory")
+        for turn, t in enumerate(trajectory.transitions):
+            _check_reward(f"turn {turn} reward", t.reward)
+    except (EngineDeadError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
+        return Trajectory(transitions=[], failure=_failure("agent", exc, -1), metadata=metadata)
+    return msgspec.structs.replace(trajectory, metadata={**metadata, **trajectory.metadata})
 
 
 async def run_episode(env: Env | AgentEnv, client: SamplingClient, params: SamplingParams, seed: int, *,
                       max_turns: int) -> Trajectory:
     """One episode of ``env``; an environment or request failure ends it as a failed attempt."""
-    if isinstance(env, AgentEnv):
-        return await _agent_episode(env, params, seed, max_turns)
-    transitions: list[Transition] = []
-    turn = 0
     try:
         metadata = env.metadata()
     except Exception as exc:  # noqa: BLE001 - a broken environment fails its attempt only
         return Trajectory(transitions=[], failure=_failure("metadata", exc, 0))
     try:
-        try:
-            observation = await env.initial_observation()
-        except (EngineDeadError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
-            return Trajectory(transitions=[], failure=_failure("initial_observation", exc, 0), metadata=metadata)
-        while True:
-            try:
-                action = await _sample(client, observation, _turn_params(params, observation, mix_seed(seed, turn)))
-            except RequestError as exc:
-                return Trajectory(transitions=transitions, failure=_failure("sample", exc, turn), metadata=metadata)
-            if action.stop_reason == "abort":
-                # The engine is shutting down; the loop is stopping this rollout anyway.
-                raise asyncio.CancelledError(f"turn {turn}: the engine aborted the sample")
-            try:
-                result = await env.step(action.tokens)
-                if not isinstance(result, StepResult):
-                    raise TypeError(f"Env.step returned {type(result).__name__}, not a StepResult")
-                reward = _check_reward(f"turn {turn} reward", result.reward)
-                if not result.done and result.next_observation is None:
-                    raise ValueError(f"turn {turn}: StepResult(done=False) needs a next_observation")
-            except (EngineDeadError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
-                return Trajectory(transitions=transitions, failure=_failure("step", exc, turn), metadata=metadata)
-            transitions.append(Transition(observation=observation, action=action, reward=reward,
-                                          done=result.done, metrics=dict(result.metrics)))
-            turn += 1
-            if result.done:
-                return Trajectory(transitions=transitions, metadata=metadata)
-            if turn >= max_turns:
-                return Trajectory(transitions=transitions, metadata=metadata, failure=AttemptFailure(
-                    stage="max_turns", error="MaxTurns", message=f"not done after max_turns={max_turns}",
-                    turn=turn))
-            assert result.next_observation is not None
-            observation = result.next_observation
+        if isinstance(env, AgentEnv):
+            return await _agent_episode(env, params, seed, max_turns, metadata)
+        return await _turns(env, client, params, seed, max_turns, metadata)
     finally:
         try:
             await env.close()
         except Exception:
             log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
+
+
+async def _turns(env: Env, client: SamplingClient, params: SamplingParams, seed: int, max_turns: int,
+                 metadata: dict[str, Any]) -> Trajectory:
+    """The observe -> sample -> step loop of one ``Env`` episode."""
+    transitions: list[Transition] = []
+    turn = 0
+    try:
+        observation = await env.initial_observation()
+    except (EngineDeadError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
+        return Trajectory(transitions=[], failure=_failure("initial_observation", exc, 0), metadata=metadata)
+    while True:
+        try:
+            action = await _sample(client, observation, _turn_params(params, observation, mix_seed(seed, turn)))
+        except RequestError as exc:
+            return Trajectory(transitions=transitions, failure=_failure("sample", exc, turn), metadata=metadata)
+        if action.stop_reason == "abort":
+            # The engine is shutting down; the loop is stopping this rollout anyway.
+            raise asyncio.CancelledError(f"turn {turn}: the engine aborted the sample")
+        try:
+            result = await env.step(action.tokens)
+            if not isinstance(result, StepResult):
+                raise TypeError(f"Env.step returned {type(result).__name__}, not a StepResult")
+            reward = _check_reward(f"turn {turn} reward", result.reward)
+            if not result.done and result.next_observation is None:
+                raise ValueError(f"turn {turn}: StepResult(done=False) needs a next_observation")
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
+            return Trajectory(transitions=transitions, failure=_failure("step", exc, turn), metadata=metadata)
+        transitions.append(Transition(observation=observation, action=action, reward=reward,
+                                      done=result.done, metrics=dict(result.metrics)))
+        turn += 1
+        if result.done:
+            return Trajectory(transitions=transitions, metadata=metadata)
+        if turn >= max_turns:
+            return Trajectory(transitions=transitions, metadata=metadata, failure=AttemptFailure(
+                stage="max_turns", error="MaxTurns", message=f"not done after max_turns={max_turns}",
+                turn=turn))
+        assert result.next_observation is not None
+        observation = result.next_observation
 
 
 async def _bounded_episode(env: Env | AgentEnv, client: SamplingClient, params: SamplingParams, seed: int,

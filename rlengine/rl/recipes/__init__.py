@@ -30,13 +30,14 @@ import importlib
 from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
 
 from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig
-from rlengine.rl.types import RLDataset
+from rlengine.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["BUILTIN", "Recipe", "load_recipe"]
+__all__ = ["BUILTIN", "Recipe", "SeededBatches", "load_recipe"]
 
 BUILTIN: dict[str, str] = {
     "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
@@ -69,6 +70,27 @@ class Recipe(abc.ABC):
                eval_dataset: RLDataset | None) -> contextlib.AbstractAsyncContextManager[Any]:
         """What the environments need beside the running engine, for the run (default: nothing)."""
         return contextlib.nullcontext()
+
+
+class SeededBatches(RLDataset):
+    """``batches`` batches; batch ``i`` is ``build(np.random.default_rng([seed, i]), i)``, so
+    it is a pure function of the index (what a resumed run needs)."""
+
+    def __init__(self, batches: int, seed: int) -> None:
+        self.batches = batches
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if not 0 <= index < self.batches:
+            raise IndexError(f"batch {index} of {self.batches}")
+        return self.build(np.random.default_rng([self.seed, index]), index)
+
+    @abc.abstractmethod
+    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
+        """The builders of batch ``index``, drawn from ``rng`` only."""
 
 
 def load_recipe(name: str) -> Recipe:

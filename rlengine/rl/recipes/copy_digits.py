@@ -38,7 +38,7 @@ from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.models import prepare_char_model
 from rlengine.rl.config import TrainConfig
-from rlengine.rl.recipes import Recipe
+from rlengine.rl.recipes import Recipe, SeededBatches
 from rlengine.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StepResult
 from rlengine.types import ModelInput
 
@@ -115,24 +115,18 @@ def _split(options: CopyOptions, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return order[options.held_out:], order[:options.held_out]
 
 
-class CopyDataset(RLDataset):
-    """``batches`` batches of ``groups`` numbers, each batch drawn by ``rng([seed, index])``."""
+class CopyDataset(SeededBatches):
+    """``batches`` batches of ``groups`` numbers drawn from ``pool``."""
 
     def __init__(self, pool: np.ndarray, batches: int, groups: int, group_size: int, digits: int, seed: int) -> None:
+        super().__init__(batches, seed)
         self.pool = pool
-        self.batches = batches
         self.groups = groups
         self.group_size = group_size
         self.digits = digits
-        self.seed = seed
 
-    def __len__(self) -> int:
-        return self.batches
-
-    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
-        if not 0 <= index < self.batches:
-            raise IndexError(f"batch {index} of {self.batches}")
-        picks = np.random.default_rng([self.seed, index]).choice(self.pool, self.groups)
+    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
+        picks = rng.choice(self.pool, self.groups)
         return [CopyGroup(f"{int(n):0{self.digits}d}", self.group_size) for n in picks]
 
 

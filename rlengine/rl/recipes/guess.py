@@ -33,7 +33,7 @@ from rlengine.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.models import prepare_char_model
 from rlengine.rl.config import TrainConfig
-from rlengine.rl.recipes import Recipe
+from rlengine.rl.recipes import Recipe, SeededBatches
 from rlengine.rl.recipes.guess_sandbox import ALPHABET
 from rlengine.rl.sandbox import SandboxPool, SessionEnv
 from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
@@ -95,23 +95,17 @@ class GuessGroup(EnvGroupBuilder):
         return {"secret": self.secret}
 
 
-class GuessDataset(RLDataset):
-    """``batches`` batches of ``groups`` secrets, batch ``i`` drawn by ``rng([seed, i])``."""
+class GuessDataset(SeededBatches):
+    """``batches`` batches of ``groups`` secrets."""
 
     def __init__(self, world: _World, batches: int, groups: int, group_size: int, seed: int) -> None:
+        super().__init__(batches, seed)
         self.world = world
-        self.batches = batches
         self.groups = groups
         self.group_size = group_size
-        self.seed = seed
 
-    def __len__(self) -> int:
-        return self.batches
-
-    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
-        if not 0 <= index < self.batches:
-            raise IndexError(f"batch {index} of {self.batches}")
-        secrets = np.random.default_rng([self.seed, index]).integers(0, 10, self.groups)
+    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
+        secrets = rng.integers(0, 10, self.groups)
         return [GuessGroup(self.world, int(s), index, self.group_size) for s in secrets]
 
 
