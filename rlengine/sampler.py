@@ -354,7 +354,7 @@ class SamplerLoop:
             # The lease already knows its versions: the one at admission and
             # any it was resumed on after a pause. An abandoned request's lease
             # stays unknown (see ``abandon``).
-            self.sched._close(item.lease, "aborted" if aborted else "completed")
+            self.sched.release(item.lease, "aborted" if aborted else "completed")
         if not self.sched.continuous and not aborted:
             self._wave_hold.append((item, response))
         else:

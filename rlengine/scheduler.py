@@ -61,8 +61,6 @@ class Lease(msgspec.Struct, gc=False):
     state: str = _ACTIVE
     versions: set[int] | None = None
     reason: str = ""
-    outcome: str = ""
-    """Once settled: completed, aborted, failed or written_off."""
 
     def __repr__(self) -> str:
         return f"<Lease {self.lease_id} {self.request_id} {self.state}>"
@@ -82,11 +80,16 @@ class Lease(msgspec.Struct, gc=False):
         self.gate.mark_unknown(self, reason)
 
 
-def _receipt(lease: Lease) -> Receipt:
-    known = lease.versions
+_Settled = tuple[int, str, "str | None", "set[int] | None", str]
+"""What a settled lease leaves: (lease id, request id, session id, versions, outcome). Not the
+Lease itself, which holds its gate: the receipts need none of that."""
+
+
+def _receipt(settled: _Settled) -> Receipt:
+    lease_id, request_id, session_id, known, outcome = settled
     ordered = ([*known] if len(known) == 1 else sorted(known)) if known else []
-    return Receipt(lease_id=lease.lease_id, request_id=lease.request_id, session_id=lease.session_id,
-                   versions=ordered, outcome=lease.outcome)  # type: ignore[arg-type]
+    return Receipt(lease_id=lease_id, request_id=request_id, session_id=session_id, versions=ordered,
+                   outcome=outcome)  # type: ignore[arg-type]
 
 
 class SampleItem(msgspec.Struct, gc=False):
@@ -167,7 +170,7 @@ class Scheduler:
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.on_drained: Callable[[], None] | None = None
         """Called whenever the last running lease ends (the sampler loop wakes on it)."""
-        self._settled: deque[Lease] = deque(maxlen=receipts_kept)
+        self._settled: deque[_Settled] = deque(maxlen=receipts_kept)
         """The latest settled leases; their receipts are built when asked for (``receipts``)."""
 
     # -- the FIFO -------------------------------------------------------------
@@ -285,22 +288,21 @@ class Scheduler:
             raise GateError(f"outcome={outcome!r}: must be completed, aborted, failed or written_off")
         if versions:
             lease.versions = set(versions) if lease.versions is None else lease.versions | set(versions)
-        self._close(lease, outcome)
-        return _receipt(lease)
+        self.release(lease, outcome)
+        return _receipt(self._settled[-1])
 
-    def _close(self, lease: Lease, outcome: str) -> None:
-        """Settle a live lease without building its receipt (the sampler's hot path)."""
+    def release(self, lease: Lease, outcome: str) -> None:
+        """``settle`` without building the receipt now (the sampler's hot path; ``outcome`` unchecked)."""
         if lease.state is _SETTLED:
             raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
         self._forget(lease)
         lease.state = _SETTLED
-        lease.outcome = outcome
-        self._settled.append(lease)
+        self._settled.append((lease.lease_id, lease.request_id, lease.session_id, lease.versions, outcome))
 
     @property
     def receipts(self) -> list[Receipt]:
         """Receipts of the latest settled leases (at most ``receipts_kept``), oldest first."""
-        return [_receipt(lease) for lease in self._settled]
+        return [_receipt(settled) for settled in self._settled]
 
     def mark_unknown(self, lease: Lease, reason: str) -> None:
         if lease.state == _SETTLED:
