@@ -31,11 +31,9 @@ class RequestError(RLEngineError):
     """Recoverable: one request failed; the engine keeps serving the others."""
 
 
-class InvalidRequest(RequestError, ValueError):
-    """A request carries an invalid value; it was rejected before queueing.
-
-    ``field`` and ``value`` name what was wrong, for programmatic handling.
-    """
+class FieldError(RLEngineError):
+    """An error about one field's value: ``field`` and ``value`` say what was wrong, for
+    programmatic handling; the message is ``field=value: reason``."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:
         self.field = field
@@ -44,6 +42,10 @@ class InvalidRequest(RequestError, ValueError):
         if len(shown) > 80:
             shown = shown[:77] + "..."
         super().__init__(f"{field}={shown}: {reason}")
+
+
+class InvalidRequest(FieldError, RequestError, ValueError):
+    """A request carries an invalid value; it was rejected before queueing."""
 
 
 class ModelNotLoaded(RequestError, LookupError):

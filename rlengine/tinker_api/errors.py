@@ -28,11 +28,11 @@ from typing import Any
 from rlengine.errors import (
     ConfigurationError,
     EngineDeadError,
+    FieldError,
     InvalidRequest,
     ModelNotLoaded,
     RequestAborted,
     RequestError,
-    RLEngineError,
 )
 
 __all__ = ["Forbidden", "Gone", "LimitExceeded", "NotSupported", "Overloaded", "PayloadTooLarge", "TinkerApiError",
@@ -41,19 +41,11 @@ __all__ = ["Forbidden", "Gone", "LimitExceeded", "NotSupported", "Overloaded", "
 log = logging.getLogger("rlengine.tinker_api")
 
 
-class TinkerApiError(RLEngineError):
+class TinkerApiError(FieldError):
     """A request the Tinker API server refuses; ``field`` and ``value`` say what was wrong."""
 
     status = 400
     code = "invalid"
-
-    def __init__(self, field: str, value: object, reason: str) -> None:
-        self.field = field
-        self.value = value
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        super().__init__(f"{field}={shown}: {reason}")
 
 
 class NotSupported(TinkerApiError, NotImplementedError):

@@ -216,15 +216,8 @@ class LoraTrainer(TorchTrainer):
         if (spec.rank, spec.target_modules()) != (self.lora.rank, self.lora.target_modules()):
             raise InvalidRequest("path", path, f"was saved with LoRA rank {spec.rank} on {spec.target_modules()}; "
                                  f"this model has rank {self.lora.rank} on {self.lora.target_modules()}")
-        weights = load_file(os.path.join(path, ADAPTER_FILE))
-        if set(weights) != set(self.named_params):
-            diff = sorted(set(weights) ^ set(self.named_params))
-            raise InvalidRequest("path", path, f"adapter tensors do not match this model (differing: {diff[:5]})")
-        for name, tensor in weights.items():
-            if tensor.shape != self.named_params[name].shape:
-                raise InvalidRequest("path", path, f"{name} has shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(self.named_params[name].shape)}")
-        return weights
+        return self._matching(path, load_file(os.path.join(path, ADAPTER_FILE)),
+                              "adapter tensors do not match this model (differing")
 
 
 
