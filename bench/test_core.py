@@ -12,24 +12,12 @@ from __future__ import annotations
 from rlengine.benchmarks import continuous_vs_wave, control_plane_overhead
 
 
-def _record(benchmark, fn):
-    result = {}
-
-    def run() -> None:
-        result.update(fn())
-
-    benchmark.pedantic(run, rounds=1, iterations=1)
-    benchmark.extra_info.update(result)
-    print({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()})
-    return result
-
-
-def test_control_plane_overhead_per_request(benchmark):
-    r = _record(benchmark, lambda: control_plane_overhead(n_requests=1000, gen_len=8, rounds=15))
+def test_control_plane_overhead_per_request(record):
+    r = record(lambda: control_plane_overhead(n_requests=1000, gen_len=8, rounds=15))
     assert r["overhead_us_per_request"] <= r["target_us_per_request"], r
 
 
-def test_continuous_vs_wave_agents(benchmark):
-    r = _record(benchmark, continuous_vs_wave)
+def test_continuous_vs_wave_agents(record):
+    r = record(continuous_vs_wave)
     assert r["latency_ratio_wave_over_continuous"] >= r["target_latency_ratio"], r
     assert r["makespan_ratio_wave_over_continuous"] >= 1.0, r

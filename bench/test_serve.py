@@ -48,18 +48,6 @@ from rlengine.serve import ServeConfig
 SOAK_S = float(os.environ.get("RLENGINE_SOAK_S", "30"))
 
 
-def _record(benchmark, fn):
-    result = {}
-
-    def run() -> None:
-        result.update(fn())
-
-    benchmark.pedantic(run, rounds=1, iterations=1)
-    benchmark.extra_info.update(result)
-    print({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()})
-    return result
-
-
 def _sandbox(code: str, *args: str, timeout: float = 600) -> str:
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], check=False, capture_output=True,
@@ -186,8 +174,8 @@ def ping_round_trip(blocks: int = 21, per_block: int = 1000) -> dict[str, float]
     return res
 
 
-def test_ipc_ping_round_trip(benchmark):
-    r = _record(benchmark, ping_round_trip)
+def test_ipc_ping_round_trip(record):
+    r = record(ping_round_trip)
     assert r["p50_ratio_ipc_over_floor"] <= r["target_ratio"], r
     assert r["ipc_requests_per_s"] >= r["target_requests_per_s"], r
 
@@ -248,8 +236,8 @@ def chat_ipc_vs_http(n: int = 60) -> dict[str, float]:
     return res
 
 
-def test_chat_over_ipc_vs_http(benchmark):
-    r = _record(benchmark, chat_ipc_vs_http)
+def test_chat_over_ipc_vs_http(record):
+    r = record(chat_ipc_vs_http)
     assert r["ratio_http_over_ipc"] > 0, r
 
 
@@ -363,8 +351,8 @@ def soak(processes: int = 8, sessions_per_process: int = 32, seconds: float = SO
             "sessions_left_open": len(leftover), "seconds": wall}
 
 
-def test_soak_256_sessions_with_installs(benchmark):
-    r = _record(benchmark, soak)
+def test_soak_256_sessions_with_installs(record):
+    r = record(soak)
     assert r["installs"] >= SOAK_S / 4, r  # one every few seconds (each waits for a drain)
     assert r["lost"] == 0 and r["duplicated"] == 0 and r["misversioned"] == 0, r
     assert r["sessions_left_open"] == 0 and r["turns"] > 1000, r
