@@ -199,13 +199,7 @@ class LoraTrainer(TorchTrainer):
             json.dump({"format": _STATE_FORMAT, "base_model": self.model_path,
                        "lora": msgspec.to_builtins(self.lora)}, f, indent=2, sort_keys=True)
         if include_optimizer:
-            tensors = {}
-            for name, p in self.named_params.items():
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    tensors[f"{key}/{name}"] = value.detach().contiguous().cpu()
-                if p.grad is not None:
-                    tensors[f"grad/{name}"] = p.grad.detach().contiguous().cpu()
-            save_file(tensors, os.path.join(path, _OPTIMIZER_FILE), metadata={"format": "rlengine-torch-trainer-1"})
+            self._save_optimizer(path)
         return path
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor]:

@@ -200,14 +200,18 @@ class TorchTrainer:
             if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
                 shutil.copyfile(src, os.path.join(path, name))
         if include_optimizer:
-            tensors = {}
-            for name, p in self.named_params.items():
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    tensors[f"{key}/{name}"] = value.detach().contiguous().cpu()
-                if p.grad is not None:
-                    tensors[f"grad/{name}"] = p.grad.detach().contiguous().cpu()
-            save_file(tensors, os.path.join(path, _OPTIMIZER_FILE), metadata={"format": _STATE_FORMAT})
+            self._save_optimizer(path)
         return path
+
+    def _save_optimizer(self, path: str) -> None:
+        """The optimizer's state and the accumulated gradients, per parameter, into ``path``."""
+        tensors = {}
+        for name, p in self.named_params.items():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                tensors[f"{key}/{name}"] = value.detach().contiguous().cpu()
+            if p.grad is not None:
+                tensors[f"grad/{name}"] = p.grad.detach().contiguous().cpu()
+        save_file(tensors, os.path.join(path, _OPTIMIZER_FILE), metadata={"format": _STATE_FORMAT})
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
         file = os.path.join(path, _WEIGHTS_FILE)
