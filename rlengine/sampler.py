@@ -350,6 +350,9 @@ class SamplerLoop:
             sequences=tuple([s.to_sequence(s.stop_reason or "abort") for s in seqs]),
             request_id=item.request_id,
             prompt_logprobs_raw=item.prompt_logprobs_raw)
+        # Break the item <-> sequence cycle: both are untracked Structs, which the
+        # cyclic collector never frees (it would keep every request alive).
+        item.seqs = None
         if item.lease is not None and item.lease.state != "unknown":
             # The lease already knows its versions: the one at admission and
             # any it was resumed on after a pause. An abandoned request's lease
@@ -372,6 +375,7 @@ class SamplerLoop:
                 item.lease.mark_unknown(str(exc))
             elif item.lease.state != "unknown":
                 item.lease.settle("failed")
+        item.seqs = None  # the item <-> sequence cycle, as in _complete
         item.future.set_exception(exc)
 
     # -- blocking work --------------------------------------------------------------

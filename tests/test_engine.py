@@ -344,3 +344,30 @@ def test_submissions_from_many_threads(engine):
             assert f.result(WAIT).sequences[0].length == 1 + i % 3
     for f in training:
         f.result(WAIT)
+
+
+def test_settled_requests_are_freed_and_a_closed_engine_too():
+    # Per-request records are untracked Structs: a reference cycle among them would
+    # never be collected, keeping every request (and through its future, the engine).
+    import gc
+    import weakref
+
+    def live_futures() -> int:
+        return sum(type(o) is rle.RequestFuture for o in gc.get_objects())
+
+    engine = rle.Engine(rle.EngineConfig(backend="sim"))
+    with engine:
+        before = live_futures()
+        futures = [engine.sample([1, 2, 3], 2, rle.SamplingParams(max_tokens=8)) for _ in range(500)]
+        aborted = [engine.sample([1, 2, 3], 1, rle.SamplingParams(max_tokens=64)) for _ in range(20)]
+        for f in aborted:
+            f.abort()
+        assert all(len(f.result(WAIT).sequences) == 2 for f in futures)
+        assert all(len(f.result(WAIT).sequences) == 1 for f in aborted)
+        del futures, aborted, f
+        gc.collect()
+        assert live_futures() <= before
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
