@@ -14,6 +14,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# The tinker SDK sends telemetry batches to the server it talks to; the test servers are
+# gone when the process exits, and a late batch prints a connection traceback.
+os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
 @pytest.fixture(scope="session")
