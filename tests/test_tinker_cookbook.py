@@ -131,8 +131,15 @@ def _check(metrics: list[dict], log_path: str, max_off_policy: int) -> None:
         assert m["env/all/total_episodes"] == GROUP * GROUPS_PER_BATCH
         assert 0.0 <= m["env/all/reward/total"] <= 1.0
         assert m["grad_norm"] > 0
-        # Sampler and trainer logprobs of the same tokens agree (the sampler holds the trained weights).
-        assert abs(m["optim/kl_sample_train_v1"]) < 1e-2
+        kl = abs(m["optim/kl_sample_train_v1"])
+        if m.get("sampling_client/step_max", m["step"]) == m["step"]:
+            # On-policy step: sampler and trainer hold the same weights, so their logprobs of the
+            # same tokens agree (up to float noise; measured ~1e-7).
+            assert kl < 1e-4, m
+        else:
+            # Trained on samples from an older sampler (async): the KL is real policy drift,
+            # measured 0.002-0.011 after one or two steps at this learning rate; bounded, not zero.
+            assert kl < 0.1, m
         if max_off_policy:
             assert m["training_client/step"] - m["sampling_client/step_min"] <= max_off_policy
     with open(os.path.join(log_path, "checkpoints.jsonl"), encoding="utf-8") as f:
