@@ -363,11 +363,14 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def _prompt_bytes(self, prompt: Any) -> bytes:
-        raw = prompt.tokens_raw if isinstance(prompt, ModelInput) else int32_bytes("prompt", prompt)
-        n = len(raw) // 4
+        raw = prompt.tokens_raw if type(prompt) is ModelInput else \
+            prompt.tokens_raw if isinstance(prompt, ModelInput) else int32_bytes("prompt", prompt)
+        n = len(raw) >> 2
         if n == 0:
             raise InvalidRequest("prompt", "[]", "must hold at least one token")
-        backend = self.backend
+        backend = self._backend
+        if backend is None:
+            backend = self.backend  # raises: not started
         if n >= backend.max_model_len:
             raise InvalidRequest("prompt.length", n, f"must be < the model's context length {backend.max_model_len}")
         # Short prompts: max() over a memoryview beats numpy's call overhead.
@@ -387,14 +390,14 @@ class Engine:
         logprobs, version)`` streams: it is called on the loop thread with each
         sequence's new tokens as they are produced (keep it short)."""
         raw = self._prompt_bytes(prompt)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        if type(num_samples) is not int or num_samples < 1:  # a bool is refused too
             raise InvalidRequest("num_samples", num_samples, "must be an integer >= 1")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("sampling_params", type(params).__name__, "must be a SamplingParams")
-        if params.stop_strings and not self.backend.capabilities.stop_strings:
+        if params.stop is not None and params.stop_strings and not self.backend.capabilities.stop_strings:
             raise InvalidRequest("sampling_params.stop", params.stop, f"backend {self.backend.name} has no stop strings")
-        rid = self._new_id("s")
+        rid = f"s{next(self._ids)}"
         future: RequestFuture[SampleResponse] = RequestFuture(rid, self._abort_cb)
         return self._submit(SampleItem(rid, raw, params, num_samples, version, session_id,
                                        include_prompt_logprobs, future, on_tokens=on_tokens))

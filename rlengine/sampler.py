@@ -110,11 +110,14 @@ class _Seq(msgspec.Struct, gc=False):
         return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(self.spans, ends))
 
     def to_sequence(self, stop_reason: str) -> SampledSequence:
-        if self.tokens is None:
+        tokens = self.tokens
+        if tokens is None:
             return SampledSequence(stop_reason=stop_reason)
         assert self.logprobs is not None
-        return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
-                               logprobs_raw=self.logprobs.tobytes(), versions_raw=self.versions_raw())
+        # One version throughout (the common case) inlined from versions_raw.
+        versions = _I32.pack(self.version) * len(tokens) if self.spans is None else self.versions_raw()
+        return SampledSequence(stop_reason=stop_reason, tokens_raw=tokens.tobytes(),
+                               logprobs_raw=self.logprobs.tobytes(), versions_raw=versions)
 
 
 class SamplerLoop:
@@ -219,38 +222,49 @@ class SamplerLoop:
     # -- admission ----------------------------------------------------------------
 
     def _admit(self) -> None:
+        before = len(self._items)
         admitted, stale = self.sched.admit()
         for item in stale:
             item.future.set_exception(self.sched.stale_error(item))
         version = self.sched.version
         max_model_len = self.backend.max_model_len
-        items, seqs, to_add, rng = self._items, self._seqs, self._to_add, self._rng
+        items, seqs, to_add, rng, stream_all = self._items, self._seqs, self._to_add, self._rng, self._stream
+        # The per-request hot path: everything a fresh sequence needs is inlined
+        # here (resumed ones use _backend_request).
         for item in admitted:
             if type(item) is LeaseItem:
                 item.future.set_result(item.lease)
                 continue
             rid = item.request_id
             items[rid] = item
-            self.admitted += 1
             params = item.params
             base = params.seed
-            room = max_model_len - len(item.prompt) // 4
-            max_tokens = max(1, min(params.max_tokens or room, room))
-            stream = self._stream or item.on_tokens is not None
+            room = max_model_len - (len(item.prompt) >> 2)
+            max_tokens = params.max_tokens
+            if max_tokens is None or max_tokens > room:
+                max_tokens = room if room > 0 else 1
+            stream = stream_all or item.on_tokens is not None
             n = item.num_samples
             item.remaining = n
-            item.seqs = []
-            for i in range(n):
-                seed = rng.getrandbits(63) if base is None else derive_seed(base, i)
-                seq = _Seq(item, i, rid if n == 1 else f"{rid}.{i}", seed)
-                item.seqs.append(seq)
-                seqs[seq.backend_id] = seq
-                # Inline for fresh sequences (the hot path); resumed ones use _backend_request.
-                to_add.append(BackendRequest(request_id=seq.backend_id, prompt=item.prompt, params=params, seed=seed,
-                                             max_tokens=max_tokens, prompt_logprobs=item.prompt_logprobs and i == 0,
-                                             stream=stream))
-            if item.lease is not None and version is not None:
-                item.lease.add_version(version)
+            if n == 1:
+                seed = rng.getrandbits(63) if base is None else derive_seed(base, 0)
+                seq = _Seq(item, 0, rid, seed)
+                item.seqs = [seq]
+                seqs[rid] = seq
+                to_add.append(BackendRequest(rid, item.prompt, params, seed, max_tokens, item.prompt_logprobs, stream))
+            else:
+                item.seqs = []
+                for i in range(n):
+                    seed = rng.getrandbits(63) if base is None else derive_seed(base, i)
+                    seq = _Seq(item, i, f"{rid}.{i}", seed)
+                    item.seqs.append(seq)
+                    seqs[seq.backend_id] = seq
+                    to_add.append(BackendRequest(seq.backend_id, item.prompt, params, seed, max_tokens,
+                                                 item.prompt_logprobs and i == 0, stream))
+            if version is not None:
+                # Admitted items always hold a lease; a fresh one has no versions yet.
+                item.lease.versions = {version}
+        self.admitted += len(items) - before
 
     def _backend_request(self, seq: _Seq, prompt: bytes, seed: int) -> BackendRequest:
         item = seq.item
@@ -318,19 +332,27 @@ class SamplerLoop:
             seq = seqs.get(out.request_id)
             if seq is None:  # aborted while this step ran
                 continue
-            if out.token_ids:
-                seq.add(out.token_ids, out.logprobs, version)
-                if seq.item.on_tokens is not None:
+            item = seq.item
+            token_ids = out.token_ids
+            if token_ids:
+                logprobs = out.logprobs
+                if seq.tokens is None and type(token_ids) is array and type(logprobs) is array \
+                        and token_ids.typecode == "i" and logprobs.typecode == "f":
+                    # The hot path (a sequence reporting once, finished), inlined from
+                    # _Seq.add: take the backend's arrays over.
+                    seq.tokens, seq.logprobs, seq.version = token_ids, logprobs, version
+                else:
+                    seq.add(token_ids, logprobs, version)
+                if item.on_tokens is not None:
                     self._deliver(seq, out, version)
             if out.prompt_logprobs is not None:
-                seq.item.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
+                item.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
             if out.error is not None:
-                self._fail_sample(seq.item, BackendRequestError(
-                    f"request {seq.item.request_id}: backend failed mid-generation: {out.error}"), unknown=True)
+                self._fail_sample(item, BackendRequestError(
+                    f"request {item.request_id}: backend failed mid-generation: {out.error}"), unknown=True)
             elif out.finished:
                 del seqs[out.request_id]
                 seq.stop_reason = out.stop_reason or "stop"
-                item = seq.item
                 item.remaining -= 1
                 if item.remaining == 0:
                     self._items.pop(item.request_id, None)
@@ -346,10 +368,13 @@ class SamplerLoop:
 
     def _complete(self, item: SampleItem, aborted: bool) -> None:
         seqs = item.seqs or ()
-        response = SampleResponse(
-            sequences=tuple([s.to_sequence(s.stop_reason or "abort") for s in seqs]),
-            request_id=item.request_id,
-            prompt_logprobs_raw=item.prompt_logprobs_raw)
+        if len(seqs) == 1:
+            s = seqs[0]
+            sequences: tuple[SampledSequence, ...] = (s.to_sequence(s.stop_reason or "abort"),)
+        else:
+            sequences = tuple([s.to_sequence(s.stop_reason or "abort") for s in seqs])
+        response = SampleResponse(sequences=sequences, request_id=item.request_id,
+                                  prompt_logprobs_raw=item.prompt_logprobs_raw)
         # Break the item <-> sequence cycle: both are untracked Structs, which the
         # cyclic collector never frees (it would keep every request alive).
         item.seqs = None

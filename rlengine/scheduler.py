@@ -215,13 +215,15 @@ class Scheduler:
             return [], []
         admitted: list[SampleItem | LeaseItem] = []
         stale: list[SampleItem | LeaseItem] = []
-        pending = self._pending
-        while pending and not isinstance(pending[0], BlockingItem):
+        pending, active, ids, loaded = self._pending, self._active, self._ids, self.version
+        # The per-request hot path: ``is_stale`` and ``_new_lease`` inlined.
+        while pending and type(pending[0]) is not BlockingItem:
             item = pending.popleft()
-            if self.is_stale(item.version):
+            if loaded is None or (item.version is not None and item.version != loaded):
                 stale.append(item)
                 continue
-            item.lease = self._new_lease(item.session_id, item.request_id)
+            lease_id = next(ids)
+            item.lease = active[lease_id] = Lease(self, lease_id, item.session_id, item.request_id)
             admitted.append(item)
         return admitted, stale
 
@@ -293,9 +295,15 @@ class Scheduler:
 
     def release(self, lease: Lease, outcome: str) -> None:
         """``settle`` without building the receipt now (the sampler's hot path; ``outcome`` unchecked)."""
-        if lease.state is _SETTLED:
+        state = lease.state
+        if state is _ACTIVE:  # the hot path: _forget inlined
+            del self._active[lease.lease_id]
+            if not self._active:
+                self._notify_drained()
+        elif state is _SETTLED:
             raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
-        self._forget(lease)
+        else:
+            self._forget(lease)
         lease.state = _SETTLED
         self._settled.append((lease.lease_id, lease.request_id, lease.session_id, lease.versions, outcome))
 

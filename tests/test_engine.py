@@ -265,6 +265,8 @@ def test_abort_queued_and_in_flight(engine):
     (lambda s: s.sample([10**6], 1, params(2)), "prompt"),
     (lambda s: s.sample(list(range(1, 10)) * 2000, 1, params(2)), "prompt.length"),
     (lambda s: s.sample([1], 0, params(2)), "num_samples"),
+    (lambda s: s.sample([1], True, params(2)), "num_samples"),
+    (lambda s: s.sample([1], 2.0, params(2)), "num_samples"),
     (lambda s: s.sample([1], 1, {"max_tokens": 3}), "sampling_params"),
     (lambda s: s.sample([1], 1, rle.SamplingParams(max_tokens=0)), "max_tokens"),
 ])

@@ -40,9 +40,10 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""
 
 
-class BackendRequest(msgspec.Struct, kw_only=True, gc=False):
+class BackendRequest(msgspec.Struct, gc=False):
     """One sequence to generate. The engine fans ``num_samples`` out into
-    separate requests, each with its own concrete seed."""
+    separate requests, each with its own concrete seed. (Positional fields:
+    the engine builds one per sequence on its hot path.)"""
 
     request_id: str
     prompt: bytes
