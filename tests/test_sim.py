@@ -16,7 +16,7 @@ import pytest
 
 import rlengine as rle
 from rlengine.backends.base import BackendRequest
-from rlengine.backends.sim import SimBackend, decode_sim_token
+from rlengine.backends.sim import SimBackend, _mix, decode_sim_token
 from rlengine.trainer.losses import clip_thresholds, elementwise
 from rlengine.trainer.sim import SimTrainer
 
@@ -226,3 +226,67 @@ def test_sim_lognormal_lengths_are_seeded_and_heavy_tailed():
     assert lengths == [b._gen_len(seed) for seed in range(2000)]
     assert np.median(lengths) == pytest.approx(8, abs=1)
     assert max(lengths) > 10 * np.median(lengths)
+
+
+def test_sampled_tokens_are_the_scalar_hash_of_seed_and_position():
+    """The backend draws a batch's tokens vectorized; each must equal the
+    scalar reference ``_mix(seed, pos) % vocab`` (seeds of any sign and size,
+    sequences of different lengths in one batch)."""
+    vocab = 1000
+    b = SimBackend(rle.SimConfig(vocab_size=vocab, gen_len=50))
+    seeds = [0, 1, 7, 2**63 - 1, 2**64 + 5, 12345678901234567890, 3**40]
+    lengths = [1, 2, 50, 13, 7, 50, 3]
+    params = rle.SamplingParams(max_tokens=50)
+    for i, (seed, n) in enumerate(zip(seeds, lengths)):
+        b.add_request(BackendRequest(f"r{i}", b"\x01\x00\x00\x00", params, seed, n, stream=False))
+    got = {}
+    while b.has_unfinished_requests():
+        for out in b.step():
+            got[out.request_id] = list(out.token_ids)
+    for i, (seed, n) in enumerate(zip(seeds, lengths)):
+        assert got[f"r{i}"] == [_mix(seed, pos) % vocab for pos in range(n)], (seed, n)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_quiet_sequences_match_stepped_ones_across_a_weight_install(temperature):
+    """A non-streaming sequence with no stop conditions is written out only
+    when it ends; it must hold exactly what a streaming twin (visited every
+    step) reports: the same tokens, each with its logprob under the weights of
+    the step that made it, also when new weights arrive mid-sequence (greedy:
+    the argmax changes with them), and an aborted one reports nothing."""
+    vocab, n = 64, 9
+    b = SimBackend(rle.SimConfig(vocab_size=vocab, gen_len=n))
+    params = rle.SamplingParams(max_tokens=n, temperature=temperature)
+    prompt = b"\x01\x00\x00\x00"
+    b.add_request(BackendRequest("quiet", prompt, params, 11, n, stream=False))
+    b.add_request(BackendRequest("stepped", prompt, params, 11, n, stream=True))
+    b.add_request(BackendRequest("aborted", prompt, params, 12, n, stream=False))
+    got: dict[str, tuple[list[int], list[float]]] = {"quiet": ([], []), "stepped": ([], [])}
+    finished = set()
+
+    def step():
+        for out in b.step():
+            got[out.request_id][0].extend(out.token_ids)
+            got[out.request_id][1].extend(out.logprobs)
+            if out.finished:
+                finished.add(out.request_id)
+
+    for _ in range(4):
+        step()
+    assert got["quiet"] == ([], [])  # nothing reported before the end
+    b.abort_request(["aborted"])
+    theta = np.random.default_rng(0).normal(0, 3, vocab).astype(np.float32)
+    b.load_weights([("theta", theta)], version=1)
+    while b.has_unfinished_requests():
+        step()
+    assert finished == {"quiet", "stepped"}
+    assert got["quiet"][0] == got["stepped"][0] and len(got["quiet"][0]) == n
+    assert got["quiet"][1] == got["stepped"][1]
+    old, new = got["quiet"][1][:4], got["quiet"][1][4:]
+    # The install changed the logprobs of the later tokens (and, greedy, the tokens).
+    first = SimBackend(rle.SimConfig(vocab_size=vocab, gen_len=n))
+    first.add_request(BackendRequest("ref", prompt, params, 11, n, stream=False))
+    ref = []
+    while first.has_unfinished_requests():
+        ref += [out for out in first.step()]
+    assert list(ref[0].logprobs)[:4] == old and list(ref[0].logprobs)[4:] != new

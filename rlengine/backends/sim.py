@@ -44,6 +44,32 @@ def _mix(seed: int, pos: int) -> int:
     return z ^ (z >> 31)
 
 
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _draw(seqs: list[_SimSeq], vocab: int) -> None:
+    """Give each sequence its sampled tokens, ``_mix(seed, pos) % vocab`` for
+    pos < end, in one vectorized pass over the whole batch: per token the
+    sim then costs a list lookup, as a zero-cost backend should, not a
+    Python big-int hash."""
+    ends = np.fromiter((s.end for s in seqs), np.int64, len(seqs))
+    total = int(ends.sum())
+    seeds = np.fromiter((s.seed & _M64 for s in seqs), np.uint64, len(seqs))
+    starts = np.cumsum(ends) - ends
+    pos = np.arange(total, dtype=np.int64) - np.repeat(starts, ends)
+    with np.errstate(over="ignore"):
+        z = np.repeat(seeds, ends) + (pos.astype(np.uint64) + np.uint64(1)) * _MIX[0]
+        z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+        z ^= z >> np.uint64(31)
+    # One int32 buffer, a view of it per sequence: no Python int per token
+    # outlives its step (thousands of those, freed on this thread and reused
+    # by the engine's loop thread, measurably slowed the loop).
+    flat = memoryview((z % np.uint64(vocab)).astype(np.int32).tobytes()).cast("i")
+    for seq, a, n in zip(seqs, starts.tolist(), ends.tolist()):
+        seq.draws = flat[a:a + n]
+
+
 def decode_sim_token(token: int) -> str:
     return chr(97 + token % 26)
 
@@ -73,6 +99,16 @@ class _SimSeq(msgspec.Struct, gc=False):
     text: str = ""
     tokens: array | None = None
     logprobs: array | None = None
+    draws: memoryview | None = None
+    """The sampled tokens, drawn when the sequence starts running (``_draw``)."""
+    first: int = 0
+    """The step that produced (or will produce) token 0."""
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing to report before it finishes and nothing can end it early:
+        such a sequence is not visited step by step (see ``SimBackend.step``)."""
+        return not (self.stream or self.stop_ids or self.stop_strings)
 
     @classmethod
     def of(cls, req: BackendRequest, gen_len: int) -> _SimSeq:
@@ -98,6 +134,10 @@ class SimBackend:
         self._set_theta(cfg.initial_weights())
         self._waiting: dict[str, _SimSeq] = {}
         self._running: dict[str, _SimSeq] = {}
+        """Every running sequence: the ``_ticking`` ones, visited each step, and
+        the quiet ones, each listed in ``_due`` under the step it ends at."""
+        self._ticking: dict[str, _SimSeq] = {}
+        self._due: dict[int, list[_SimSeq]] = {}
         self.asleep = False
         self.steps = 0
         self.events: deque[tuple[Any, ...]] = deque(maxlen=100_000)
@@ -126,7 +166,8 @@ class SimBackend:
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
-            self._running.pop(rid, None)
+            self._running.pop(rid, None)  # a quiet one's _due entry is skipped when its step comes
+            self._ticking.pop(rid, None)
             self._waiting.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -138,20 +179,31 @@ class SimBackend:
         if self._theta is None:
             raise RuntimeError("sim backend: step() with no weights loaded")
         running, cap = self._running, self.config.max_num_seqs
-        waiting = self._waiting
+        waiting, ticking, due = self._waiting, self._ticking, self._due
+        now = self.steps + 1
+        admitted = []
         while waiting and len(running) < cap:
             seq = waiting.pop(next(iter(waiting)))
             running[seq.rid] = seq
+            seq.first = now
+            if not seq.greedy:
+                admitted.append(seq)
+            if seq.quiet:
+                due.setdefault(now + seq.end - 1, []).append(seq)
+            else:
+                ticking[seq.rid] = seq
+        if admitted:
+            _draw(admitted, self.vocab_size)
         cfg = self.config
         cost = cfg.step_time_s + cfg.token_time_s * len(running)
         if cost > 0:
             time.sleep(cost)
-        self.steps += 1
-        logp, argmax, vocab = self._logp, self._argmax, self.vocab_size
+        self.steps = now
+        logp, argmax = self._logp, self._argmax
         outs = []
         done = []
-        for seq in running.values():
-            tok = argmax if seq.greedy else _mix(seq.seed, seq.pos) % vocab
+        for seq in ticking.values():
+            tok = argmax if seq.greedy else seq.draws[seq.pos]
             seq.pos += 1
             seq.tokens.append(tok)
             seq.logprobs.append(logp[tok])
@@ -162,21 +214,46 @@ class SimBackend:
             finished = stop or seq.pos >= seq.end
             if not (seq.stream or finished):
                 continue
-            out = RequestOutput(seq.rid, seq.tokens, seq.logprobs)
-            seq.tokens, seq.logprobs = array("i"), array("f")
-            if seq.want_prompt_lp:
-                seq.want_prompt_lp = False
-                prompt = np.frombuffer(seq.prompt, dtype=np.int32)[1:]
-                out.prompt_logprobs = [logp[t] for t in prompt.tolist()]
+            outs.append(self._output(seq, finished, stop))
             if finished:
-                out.finished = True
-                out.stop_reason = "stop" if stop or seq.pos < seq.limit else "length"
                 done.append(seq.rid)
-            outs.append(out)
         for rid in done:
+            del ticking[rid]
             del running[rid]
+        # Quiet sequences: each produced one token per step all along; their
+        # tokens (and logprobs under the weights of each step: see
+        # load_weights) are written out now, at the step they end.
+        for seq in due.pop(now, ()):
+            if running.get(seq.rid) is not seq:  # aborted
+                continue
+            self._catch_up(seq, seq.end)
+            outs.append(self._output(seq, True, False))
+            del running[seq.rid]
         self.events.append(("step", len(outs)))
         return outs
+
+    def _catch_up(self, seq: _SimSeq, n: int) -> None:
+        """Write a quiet sequence's tokens up to ``n`` under the current weights."""
+        if n <= seq.pos:
+            return
+        toks = [self._argmax] * (n - seq.pos) if seq.greedy else seq.draws[seq.pos:n].tolist()
+        logp = self._logp
+        seq.tokens.extend(toks)
+        seq.logprobs.extend([logp[t] for t in toks])
+        seq.pos = n
+
+    def _output(self, seq: _SimSeq, finished: bool, stop: bool) -> RequestOutput:
+        out = RequestOutput(seq.rid, seq.tokens, seq.logprobs)
+        seq.tokens, seq.logprobs = array("i"), array("f")
+        if seq.want_prompt_lp:
+            seq.want_prompt_lp = False
+            prompt = np.frombuffer(seq.prompt, dtype=np.int32)[1:]
+            logp = self._logp
+            out.prompt_logprobs = [logp[t] for t in prompt.tolist()]
+        if finished:
+            out.finished = True
+            out.stop_reason = "stop" if stop or seq.pos < seq.limit else "length"
+        return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         tensors = dict(named_tensors)
@@ -185,6 +262,11 @@ class SimBackend:
         theta = np.asarray(tensors["theta"], dtype=np.float32)
         if theta.shape != (self.vocab_size,):
             raise ValueError(f"sim backend: theta shape {theta.shape}, expected ({self.vocab_size},)")
+        # Quiet sequences have run under the old weights up to now: write
+        # their tokens so far before the new weights apply.
+        for seq in self._running.values():
+            if seq.rid not in self._ticking:
+                self._catch_up(seq, self.steps - seq.first + 1)
         self._set_theta(theta.copy())
         self.version = version
         self.events.append(("load_weights", version))
@@ -205,6 +287,8 @@ class SimBackend:
 
     def close(self) -> None:
         self._running.clear()
+        self._ticking.clear()
+        self._due.clear()
         self._waiting.clear()
         self.events.append(("close",))
 
