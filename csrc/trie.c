@@ -108,6 +108,11 @@ int rle_trie_walk(const rle_trie *t, rle_handle at, const int32_t *tokens, int64
         if (c < 0)
             break;
         const node_t *nc = &nodes[c];
+        /* The next record's address is known now: fetch it while this edge
+         * is compared, so a long path pays one DRAM wait per edge, not two
+         * (measured with csrc/trie_floor.c: walk / floor 1.36 -> 1.21). */
+        if (nc->child >= 0)
+            __builtin_prefetch(&nodes[nc->child]);
         int64_t k = first_mismatch(edge_tokens(t, nc), tokens + i, min64(n - i, nc->len));
         node = c;
         offset = (int32_t)k;

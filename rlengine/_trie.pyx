@@ -22,9 +22,11 @@ from cpython.buffer cimport (
     PyObject_CheckBuffer,
     PyObject_GetBuffer,
 )
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memset
 
 from array import array
 
@@ -45,7 +47,22 @@ cdef enum:
     _SEGMENTS_ON_STACK = 32
 
 
+# The converters below take the common case (an exact int in range) in C
+# and leave everything else, errors included, to the general checks.
+
+cdef inline bint _exact_int(object obj, long long *out) noexcept:
+    """True and the value if ``obj`` is exactly an int (not a bool) that fits int64."""
+    cdef int overflow = 0
+    if type(obj) is not int:
+        return False
+    out[0] = PyLong_AsLongLongAndOverflow(obj, &overflow)
+    return overflow == 0
+
+
 cdef rle_handle _handle(object h) except -1:
+    cdef long long v
+    if _exact_int(h, &v) and v >= 0:
+        return <rle_handle>v
     if not isinstance(h, int) or isinstance(h, bool):
         raise InvalidRequest("handle", h, "must be an int handle returned by this trie")
     if h < 0 or h > INT64_MAX:
@@ -54,6 +71,9 @@ cdef rle_handle _handle(object h) except -1:
 
 
 cdef int32_t _kind(object kind) except -1:
+    cdef long long v
+    if _exact_int(kind, &v) and (v == RLE_KIND_PROMPT or v == RLE_KIND_SAMPLED or v == RLE_KIND_ENVIRONMENT):
+        return <int32_t>v
     if not isinstance(kind, int) or isinstance(kind, bool) or kind not in (KIND_PROMPT, KIND_SAMPLED,
                                                                            KIND_ENVIRONMENT):
         raise InvalidRequest("kind", kind, "must be KIND_PROMPT, KIND_SAMPLED or KIND_ENVIRONMENT")
@@ -61,6 +81,9 @@ cdef int32_t _kind(object kind) except -1:
 
 
 cdef int64_t _request_id(object request_id) except? -2:
+    cdef long long v
+    if _exact_int(request_id, &v) and v >= -1:
+        return <int64_t>v
     if not isinstance(request_id, int) or isinstance(request_id, bool) or not -1 <= request_id <= INT64_MAX:
         raise InvalidRequest("request_id", request_id, "must be an int in [-1, 2**63) (-1: none)")
     return <int64_t>request_id
@@ -96,6 +119,17 @@ cdef int64_t _acquire(object obj, Py_buffer *view, _Dtype want, str field) excep
     """
     cdef char code
     cdef bint ok
+    cdef Py_ssize_t size
+    if type(obj) is bytes:
+        # The common case (token ids as they arrive over IPC), without the
+        # buffer protocol: the caller's reference keeps the bytes alive for
+        # the call, and a NULL view.obj makes PyBuffer_Release a no-op.
+        size = PyBytes_GET_SIZE(obj)
+        if size % 4 == 0 and (<uintptr_t>PyBytes_AS_STRING(obj)) % 4 == 0:
+            memset(view, 0, sizeof(Py_buffer))
+            view.buf = PyBytes_AS_STRING(obj)
+            view.len = size
+            return size // 4
     if not PyObject_CheckBuffer(obj):
         obj = _from_sequence(obj, want, field)
     # Only objects that are plainly raw memory are reinterpreted; a numpy
