@@ -7,6 +7,9 @@
 #                   so small tries cross blocks and compact) into build/asan
 #                   and run the trie tests on it; fails on any ASan/UBSan
 #                   error, and on any leak whose allocation passes through the trie
+#   make floor      build csrc/trie_floor.c and run it on the benchmark's
+#                   workload: the C trie without Python, and the memory floor
+#                   (what any store of the same data must spend) it is held to
 #   make valgrind   the trie tests (without the long hypothesis runs) under
 #                   valgrind memcheck on the release build; fails on any error
 #                   or definite leak whose stack passes through the trie
@@ -25,7 +28,7 @@ LIBASAN := $(shell gcc -print-file-name=libasan.so)
 TRIE_LEAKS := awk 'BEGIN { RS = "" } /(leak of|definitely lost)/ && /(trie\.c|trie_arena\.c|_trie\.c|rle_(trie|arena)_)/'
 TRIE_ERRORS := awk 'BEGIN { RS = "" } /(Invalid (read|write|free)|uninitialised|Mismatched|overlap)/ && /(trie\.c|trie_arena\.c|_trie\.c|rle_(trie|arena)_)/'
 
-.PHONY: build test-trie asan valgrind clean
+.PHONY: build test-trie asan valgrind floor clean
 
 build:
 	$(PY) -m pip install -e . --no-build-isolation
@@ -63,6 +66,12 @@ valgrind:
 	@errors=$$($(TRIE_ERRORS) build/valgrind.log; $(TRIE_LEAKS) build/valgrind.log); \
 	  if [ -n "$$errors" ]; then echo "$$errors"; echo "valgrind: errors or leaks through the trie"; exit 1; fi
 	@echo "valgrind: no errors and no leaks through the trie (build/valgrind.log lists CPython's own)"
+
+floor:
+	mkdir -p build
+	$(CC) -O3 -Wall -Wno-unused-function -Icsrc csrc/trie_floor.c csrc/trie.c csrc/trie_arena.c -o build/trie_floor
+	# bench/test_trie.py's workload: sessions turns system task new_min new_max vocab query rounds
+	build/trie_floor 2000 8 800 200 50 300 150000 1800 5
 
 clean:
 	rm -rf build rlengine/_trie.c rlengine/_trie.*.so

@@ -31,6 +31,13 @@ write for the same job: edges as ``array('i')`` with their ``array('f')``
 logprobs and ``array('i')`` versions, children in a dict keyed by first
 token, slice comparison, no input validation. The C trie validates all input.
 
+The floor: csrc/trie_floor.c (built and run by ``trie_floor``) runs the same
+workload in C alone and measures what any store holding this data must spend
+(the DRAM reads of the query and the stored path, and for an insert the
+writes of the new suffix) and the C trie without Python. ``ceiling_ratio``
+is the baseline's cold time over that floor: the most any implementation
+could reach in that run.
+
 This file must not assert performance targets (the machine is a noisy
 shared VM); it asserts that both tries did the same work and records the
 figures. Run: ``OMP_NUM_THREADS=1 python -m pytest bench/test_trie.py -q``.
@@ -45,6 +52,7 @@ from array import array
 
 import numpy as np
 import pytest
+import trie_floor
 
 from rlengine._trie import KIND_PROMPT, KIND_SAMPLED, TokenTrie
 
@@ -158,6 +166,16 @@ def workload() -> Workload:
     return Workload()
 
 
+@pytest.fixture(scope="module")
+def floor_exe(tmp_path_factory) -> object:
+    return trie_floor.build(tmp_path_factory.mktemp("floor"))
+
+
+def floor_figures(exe) -> dict[str, float]:
+    return trie_floor.run(exe, sessions=SESSIONS, turns=TURNS, system=SYSTEM, task=TASK, new_min=NEW_MIN,
+                          new_max=NEW_MAX, vocab=VOCAB, query=QUERY, rounds=5)
+
+
 def c_fresh(w: Workload) -> tuple[TokenTrie, list[int]]:
     trie = TokenTrie()
     roots = [trie.new_root() for _ in range(SESSIONS)]
@@ -216,8 +234,9 @@ def warm_input_us(call, items) -> float:
     return (spent - idle) / len(items) / 1e3
 
 
-def test_insert_full_conversation(benchmark, workload):
+def test_insert_full_conversation(benchmark, workload, floor_exe):
     w = workload
+    floor = floor_figures(floor_exe)
     py_cold = median_loop_seconds(lambda t, r: py_insert_all(w, t, r), lambda: py_fresh(w))
     benchmark.pedantic(lambda t, r: c_insert_all(w, t, r), setup=lambda: (c_fresh(w), {}), rounds=7, iterations=1)
     c_cold = benchmark.stats.stats.median
@@ -248,10 +267,13 @@ def test_insert_full_conversation(benchmark, workload):
         "warm_input_c_mtokens_per_s": round(per_call / c_w),
         "warm_input_py_us_per_call": round(py_w, 2),
         "warm_input_ratio": round(py_w / c_w, 2),
+        "pure_c_us_per_call": floor["insert_trie_us"],
+        "floor_us_per_call": floor["insert_floor_us"],
+        "ceiling_ratio": round(py_cold / calls * 1e6 / floor["insert_floor_us"], 2),
     })
 
 
-def test_match_1800_tokens(benchmark, workload):
+def test_match_1800_tokens(benchmark, workload, floor_exe):
     w = workload
     trie, roots = c_fresh(w)
     c_insert_all(w, trie, roots)
@@ -266,6 +288,7 @@ def test_match_1800_tokens(benchmark, workload):
 
     matched = len(c_items) * QUERY
     assert loop(trie.longest_prefix, c_items) == loop(py_trie.longest_prefix, py_items) == matched
+    floor = floor_figures(floor_exe)
     py_cold = median_loop_seconds(lambda: loop(py_trie.longest_prefix, py_items), tuple)
     numpy_cold = median_loop_seconds(lambda: loop(trie.longest_prefix, numpy_items), tuple)
     benchmark.pedantic(lambda: loop(trie.longest_prefix, c_items), rounds=15, iterations=1)
@@ -292,6 +315,10 @@ def test_match_1800_tokens(benchmark, workload):
         "hot_c_mtokens_per_s": round(QUERY / c_hot / 1e6),
         "hot_py_us_per_query": round(py_hot * 1e6, 2),
         "hot_ratio": round(py_hot / c_hot, 2),
+        "pure_c_us_per_query": floor["match_trie_us"],
+        "floor_us_per_query": floor["match_floor_us"],
+        "query_read_us": floor["match_query_us"],
+        "ceiling_ratio": round(py_cold / n * 1e6 / floor["match_floor_us"], 2),
     })
 
 

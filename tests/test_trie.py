@@ -9,11 +9,13 @@ skip the compiled one when it is missing (a missing extension is a failure).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import subprocess
 import sys
 import tracemalloc
 from array import array
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,8 @@ import rlengine._trie as c_trie
 import rlengine._trie_ref as ref_trie
 from rlengine.errors import InvalidRequest, RLEngineError
 from rlengine.trace.errors import TraceMemoryExceeded
+
+ROOT = Path(__file__).resolve().parent.parent
 
 P, S, E = c_trie.KIND_PROMPT, c_trie.KIND_SAMPLED, c_trie.KIND_ENVIRONMENT
 IMPLS = [pytest.param(c_trie.TokenTrie, id="c"), pytest.param(ref_trie.TokenTrie, id="reference")]
@@ -435,6 +439,26 @@ def test_implementation_is_chosen_by_environment(env, expected):
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "RLENGINE_NO_EXTENSIONS": env}).stdout
     assert out.split()[0] == expected and ("_trie_ref" in out) == (expected == "python-reference")
+
+
+def test_floor_driver_runs_the_workload_and_checks_itself(tmp_path):
+    """csrc/trie_floor.c (the benchmark's memory floor) builds, and its own checks pass.
+
+    The driver exits non-zero if any walk misses a token, a compare of the
+    floor store fails, or the trie ends up holding other than every
+    conversation's tokens; ``run`` then raises.
+    """
+    spec = importlib.util.spec_from_file_location("trie_floor", ROOT / "bench" / "trie_floor.py")
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    exe = floor.build(tmp_path)
+    out = floor.run(exe, sessions=40, turns=3, system=50, task=20, new_min=5, new_max=30, vocab=1000, query=100,
+                    rounds=1)
+    assert out["calls"] == 40 * 3 and 0 < out["queries"] <= 40
+    assert 70 + 5 <= out["tokens_per_call"] <= 70 + 3 * 30
+    assert 40 * (70 + 3 * 5) <= out["stored_tokens"] <= 40 * (70 + 3 * 30)
+    assert all(out[k] > 0 for k in ("insert_trie_us", "insert_floor_us", "match_trie_us", "match_floor_us",
+                                    "match_query_us"))
 
 
 # -- differential: C vs reference vs a dictionary oracle ---------------------------------------
