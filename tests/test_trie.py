@@ -8,6 +8,7 @@ skip the compiled one when it is missing (a missing extension is a failure).
 
 from __future__ import annotations
 
+import enum
 import gc
 import importlib.util
 import os
@@ -289,6 +290,27 @@ def test_bad_metadata(Trie, kwargs):
     root = t.new_root()
     with pytest.raises(InvalidRequest):
         t.insert(root, i32(1), **kwargs)
+
+
+def test_int_subclasses_and_bounds_are_accepted(Trie):
+    """Exact ints take a fast path; int subclasses (IntEnum kinds, say) and the
+    range bounds must behave the same through the general one."""
+
+    class Handle(int):
+        pass
+
+    class Kind(enum.IntEnum):
+        SAMPLED = S
+
+    t = Trie()
+    root = t.new_root()
+    h, reused = t.insert(Handle(root), i32(1, 2), f32(-0.5, -0.5), i32(0, 0), Kind.SAMPLED, 2**63 - 1)
+    assert reused == 0 and t.path_segments(h) == [(0, 2, S, 2**63 - 1)]
+    assert t.longest_prefix(Handle(root), i32(1, 2, 3)) == 2
+    h2, reused = t.insert(root, i32(1, 2, 3), kind=P, request_id=-1)
+    assert reused == 2 and t.path_segments(h2)[-1] == (2, 3, P, -1)
+    with pytest.raises(InvalidRequest, match="raw bytes must hold whole 4-byte items"):
+        t.longest_prefix(root, b"\x01\x00\x00\x00\x02")
 
 
 @pytest.mark.parametrize("handle", [-1, 2**63, 2**70, "0", 1.0, None, True, 12345])
