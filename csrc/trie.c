@@ -63,12 +63,12 @@ static int32_t split(rle_trie *t, int32_t c, int32_t k)
 }
 
 static int32_t append_child(rle_trie *t, int32_t parent, const int32_t *tokens, const float *logprobs,
-                            const int32_t *versions, int32_t n, int32_t kind, int64_t request_id)
+                            const int32_t *versions, int32_t n, int32_t kind, int64_t request_id, int staged)
 {
     int32_t idx = rle_arena_node_alloc(t);
     node_t *nodes = t->nodes;
     node_t *c = &nodes[idx];
-    rle_arena_store(t, c, tokens, logprobs, versions, n);
+    rle_arena_store(t, c, tokens, logprobs, versions, n, staged);
     c->parent = parent;
     c->kind = (uint8_t)kind;
     c->request_id = request_id;
@@ -126,6 +126,23 @@ int rle_trie_walk(const rle_trie *t, rle_handle at, const int32_t *tokens, int64
     return RLE_OK;
 }
 
+/* Link what rle_trie_insert_at stores once room is reserved (and, with
+ * `staged`, the new data copied into place). */
+static rle_handle link_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
+                          const int32_t *versions, int64_t extra, int need_split, int32_t kind, int64_t request_id,
+                          int staged)
+{
+    int32_t at = cur->node;
+    if (need_split)
+        at = split(t, at, cur->offset);
+    if (extra > 0) {
+        int64_t m = cur->matched;
+        at = append_child(t, at, tokens + m, logprobs ? logprobs + m : NULL, versions ? versions + m : NULL,
+                          (int32_t)extra, kind, request_id, staged);
+    }
+    return handle_of(t, at);
+}
+
 int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
                        const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out)
 {
@@ -136,15 +153,28 @@ int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens
     int rc = rle_arena_reserve(t, extra, need_split + (extra > 0));
     if (rc != RLE_OK)
         return rc;
-    int32_t at = cur->node;
-    if (need_split)
-        at = split(t, at, cur->offset);
-    if (extra > 0) {
-        int64_t m = cur->matched;
-        at = append_child(t, at, tokens + m, logprobs ? logprobs + m : NULL, versions ? versions + m : NULL,
-                          (int32_t)extra, kind, request_id);
-    }
-    *out = handle_of(t, at);
+    *out = link_at(t, cur, tokens, logprobs, versions, extra, need_split, kind, request_id, 0);
+    return RLE_OK;
+}
+
+int rle_trie_insert_checked(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
+                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out)
+{
+    int64_t extra = n - cur->matched;
+    if (extra <= 0 || extra > INT32_MAX)
+        return RLE_NOT_DONE;
+    int need_split = cur->offset < t->nodes[cur->node].len;
+    int64_t m = cur->matched;
+    /* Copied into slots not handed out yet: if a value is bad, dropping
+     * them is doing nothing. With room already there, nothing below can
+     * fail, grow, or move the staged slots. */
+    int ok = rle_arena_stage(t, tokens + m, logprobs ? logprobs + m : NULL, versions ? versions + m : NULL,
+                             (int32_t)extra, kind, need_split + 1);
+    if (ok < 0)
+        return RLE_NOT_DONE;
+    if (ok == 0)
+        return RLE_ERR_INPUT;
+    *out = link_at(t, cur, tokens, logprobs, versions, extra, need_split, kind, request_id, 1);
     return RLE_OK;
 }
 

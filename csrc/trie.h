@@ -42,6 +42,8 @@ extern "C" {
 #define RLE_ERR_LIMIT (-2)  /* the call would exceed the trie's memory bound */
 #define RLE_ERR_HANDLE (-3) /* not a live node of this trie (never made, or pruned) */
 #define RLE_ERR_RANGE (-4)  /* a length does not fit: more than INT32_MAX new tokens in one call */
+#define RLE_ERR_INPUT (-5)  /* rle_trie_insert_checked: some input value is invalid */
+#define RLE_NOT_DONE 1      /* rle_trie_insert_checked: storing would grow the trie; check, then insert_at */
 
 /* A node of the trie, as (generation << 32 | index). It names the position
  * at the end of the node's edge, and stays valid until the node is pruned:
@@ -99,6 +101,17 @@ int rle_trie_walk(const rle_trie *t, rle_handle at, const int32_t *tokens, int64
  * NULL stores 0.0 and -1. */
 int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
                        const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out);
+
+/* rle_trie_insert_at for input not checked yet, in one pass over it: the
+ * new tokens, logprobs and versions are checked (as rle_check_* do, for
+ * `kind`) while they are copied into the current block's free slots, and
+ * linked only if all are valid. That needs room for them in the current
+ * block and node array: when storing would grow the trie (or stores
+ * nothing), it returns RLE_NOT_DONE having done nothing, and the caller
+ * checks the input and calls rle_trie_insert_at. RLE_ERR_INPUT: some value
+ * is invalid; the trie is unchanged (rle_check_* name it). */
+int rle_trie_insert_checked(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
+                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out);
 
 /* Tokens from the root to the end of `h`. */
 int rle_trie_depth(const rle_trie *t, rle_handle h, int64_t *depth);

@@ -315,21 +315,73 @@ void rle_arena_node_release(rle_trie *t, int32_t idx)
     t->live_nodes--;
 }
 
+int rle_arena_stage(rle_trie *t, const int32_t *tokens, const float *logprobs, const int32_t *versions, int32_t n,
+                    int32_t kind, int64_t nodes)
+{
+    if (t->cur < 0 || t->blocks[t->cur].cap - t->blocks[t->cur].used < n ||
+        (int64_t)t->node_used + nodes - t->free_count > t->node_cap)
+        return -1;
+    block_t *blk = &t->blocks[t->cur];
+    int32_t *tok = blk->tok + blk->used;
+    float *lp = blk->lp + blk->used;
+    int32_t *ver = blk->ver + blk->used;
+    /* Branch-free loops (they vectorize): any negative id sets the sign
+     * bit of `ids`; `bad` collects the rest. */
+    int32_t ids = 0, bad = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t v = tokens[i];
+        ids |= v;
+        tok[i] = v;
+    }
+    if (logprobs != NULL) {
+        for (int32_t i = 0; i < n; i++) {
+            float x = logprobs[i];
+            bad |= !(x <= 0.0f);
+            lp[i] = x;
+        }
+    } else {
+        memset(lp, 0, (size_t)n * sizeof(float));
+    }
+    if (versions == NULL) {
+        for (int32_t i = 0; i < n; i++)
+            ver[i] = -1;
+    } else if (kind == RLE_KIND_SAMPLED) {
+        int32_t neg = 0;
+        for (int32_t i = 0; i < n; i++) {
+            int32_t v = versions[i];
+            neg |= v;
+            ver[i] = v;
+        }
+        bad |= neg < 0;
+    } else {
+        int32_t other = 0; /* ~v is 0 only for -1 */
+        for (int32_t i = 0; i < n; i++) {
+            int32_t v = versions[i];
+            other |= ~v;
+            ver[i] = v;
+        }
+        bad |= other != 0;
+    }
+    return ids >= 0 && !bad;
+}
+
 void rle_arena_store(rle_trie *t, node_t *into, const int32_t *tokens, const float *logprobs, const int32_t *versions,
-                     int32_t n)
+                     int32_t n, int staged)
 {
     block_t *blk = &t->blocks[t->cur];
     int64_t off = blk->used;
-    memcpy(blk->tok + off, tokens, (size_t)n * sizeof(int32_t));
-    if (logprobs != NULL)
-        memcpy(blk->lp + off, logprobs, (size_t)n * sizeof(float));
-    else
-        memset(blk->lp + off, 0, (size_t)n * sizeof(float));
-    if (versions != NULL) {
-        memcpy(blk->ver + off, versions, (size_t)n * sizeof(int32_t));
-    } else {
-        for (int32_t i = 0; i < n; i++)
-            blk->ver[off + i] = -1;
+    if (!staged) {
+        memcpy(blk->tok + off, tokens, (size_t)n * sizeof(int32_t));
+        if (logprobs != NULL)
+            memcpy(blk->lp + off, logprobs, (size_t)n * sizeof(float));
+        else
+            memset(blk->lp + off, 0, (size_t)n * sizeof(float));
+        if (versions != NULL) {
+            memcpy(blk->ver + off, versions, (size_t)n * sizeof(int32_t));
+        } else {
+            for (int32_t i = 0; i < n; i++)
+                blk->ver[off + i] = -1;
+        }
     }
     blk->used += n;
     blk->live += n;
@@ -337,7 +389,7 @@ void rle_arena_store(rle_trie *t, node_t *into, const int32_t *tokens, const flo
     into->block = t->cur;
     into->off = (int32_t)off;
     into->len = n;
-    into->first = tokens[0];
+    into->first = blk->tok[off];
 }
 
 /* After a prune: compact when garbage outweighs live data (so the copying

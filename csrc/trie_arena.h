@@ -105,9 +105,17 @@ int32_t rle_arena_node_alloc(rle_trie *t);
 /* Free a node record and turn its edge's slots into garbage. */
 void rle_arena_node_release(rle_trie *t, int32_t idx);
 /* Copy n tokens (and logprobs, versions; NULL: 0.0, -1) into the current
- * block and point `into` at them; rle_arena_reserve came first. */
+ * block and point `into` at them; rle_arena_reserve came first. With
+ * `staged`, rle_arena_stage already copied them there: only point. */
 void rle_arena_store(rle_trie *t, node_t *into, const int32_t *tokens, const float *logprobs, const int32_t *versions,
-                     int32_t n);
+                     int32_t n, int staged);
+/* Copy n tokens (logprobs, versions as rle_arena_store) into the current
+ * block's free slots, checking them for `kind` on the way, without handing
+ * the slots out. 1: all valid, rle_arena_store(staged) may take them; 0:
+ * some value invalid; -1, nothing copied: the block has no room for n, or
+ * the node array none for `nodes` more records (storing would grow). */
+int rle_arena_stage(rle_trie *t, const int32_t *tokens, const float *logprobs, const int32_t *versions, int32_t n,
+                    int32_t kind, int64_t nodes);
 /* After a prune: reclaim garbage and memory as the policy says. */
 void rle_arena_settle(rle_trie *t);
 

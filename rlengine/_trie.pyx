@@ -256,6 +256,15 @@ cdef class TokenTrie:
             rc = rle_trie_walk(self._t, h, tp, n, &cur)
             if rc != RLE_OK:
                 self._fail(rc, at, n)
+            # The common case in one pass over the new tokens: checked while
+            # copied into place, linked only if valid. Otherwise (the trie
+            # must grow first, or a value is bad) the checks below run on
+            # their own and name the first bad value.
+            rc = rle_trie_insert_checked(self._t, &cur, tp, lp, vp, n, k, rid, &out)
+            if rc == RLE_OK:
+                return (out, cur.matched)
+            if rc != RLE_NOT_DONE and rc != RLE_ERR_INPUT:
+                self._fail(rc, at, n - cur.matched)
             _check_tokens(tp, cur.matched, n)
             # Logprobs and versions, too, only where not stored yet: the stored
             # prefix keeps its own data, and a resent conversation may carry
@@ -271,6 +280,8 @@ cdef class TokenTrie:
                     raise InvalidRequest(f"versions[{cur.matched + bad}]", vp[cur.matched + bad],
                                          "sampled tokens need a version >= 0" if k == RLE_KIND_SAMPLED
                                          else "prompt and environment tokens carry version -1")
+            if rc == RLE_ERR_INPUT:
+                raise AssertionError("the token trie refused input its checks accept (a bug in csrc/trie_arena.c)")
             rc = rle_trie_insert_at(self._t, &cur, tp, lp, vp, n, k, rid, &out)
             if rc != RLE_OK:
                 self._fail(rc, at, n - cur.matched)

@@ -249,6 +249,56 @@ BAD_TOKENS = [
 ]
 
 
+def _set(a: np.ndarray, i: int, value) -> None:
+    a[i] = value
+
+
+@pytest.mark.parametrize("room", [False, True], ids=["trie-must-grow", "room-in-block"])
+@pytest.mark.parametrize("kind, field, where, patch", [
+    (S, "tokens", 0.73, lambda t, lp, v, i: _set(t, i, -5)),
+    (S, "tokens", 1.0, lambda t, lp, v, i: (_set(t, i, -1), _set(lp, 3, np.nan))),  # tokens are named first
+    (S, "logprobs", 0.41, lambda t, lp, v, i: _set(lp, i, np.nan)),
+    (S, "logprobs", 0.0, lambda t, lp, v, i: _set(lp, i, 1e-30)),
+    (S, "versions", 0.98, lambda t, lp, v, i: _set(v, i, -1)),
+    (P, "versions", 0.17, lambda t, lp, v, i: _set(v, i, 0)),
+    (E, "versions", 1.0, lambda t, lp, v, i: _set(v, i, -2)),
+])
+def test_bad_values_of_a_new_suffix_are_named_and_change_nothing(Trie, room, kind, field, where, patch):
+    """Values are checked as they are copied when the trie has room (one pass),
+    on their own when it must grow first: the same error, nothing stored, and
+    the next valid insert stores exactly its own data."""
+    t = Trie()
+    root = t.new_root()
+    prefix = i32(1, 2, 3)
+    h0, _ = t.insert(root, prefix)
+    new = 100
+    if Trie is c_trie.TokenTrie:  # the C trie's data blocks (the reference has none)
+
+        def free_slots() -> int:
+            st = t.stats()
+            return st["arena_capacity"] - st["live_tokens"] - st["garbage_tokens"]
+
+        if room:
+            new = min(new, free_slots())  # the sanitizer build's blocks are small
+        else:  # fill the current block: the new tokens then need a new one
+            t.insert(t.new_root(), np.full(free_slots(), 7, np.int32))
+        assert new >= 50 and (free_slots() >= new) == room
+    tokens = np.concatenate([prefix, np.arange(10, 10 + new, dtype=np.int32)])
+    logprobs = np.concatenate([np.zeros(3, np.float32), -np.linspace(0, 5, new, dtype=np.float32)])
+    versions = np.concatenate([np.full(3, -1, np.int32), np.full(new, 4 if kind == S else -1, np.int32)])
+    bad_t, bad_lp, bad_v = tokens.copy(), logprobs.copy(), versions.copy()
+    index = round(where * (new - 1))
+    patch(bad_t[3:], bad_lp[3:], bad_v[3:], index)
+    before = (t.stats(), exported(t, h0))
+    with pytest.raises(InvalidRequest, match=rf"^{field}\[{3 + index}\]"):
+        t.insert(root, bad_t, bad_lp, bad_v, kind=kind)
+    assert (t.stats(), exported(t, h0)) == before
+    h, reused = t.insert(root, tokens, logprobs, versions, kind=kind)
+    assert reused == 3 and t.parent(h) == h0
+    got = exported(t, h)
+    assert got[0] == tokens.tolist() and got[1] == logprobs.tolist() and got[2] == versions.tolist()
+
+
 @pytest.mark.parametrize("tokens", BAD_TOKENS)
 def test_bad_tokens_raise_value_error_and_change_nothing(Trie, tokens):
     t = Trie()
