@@ -6,7 +6,9 @@
  * Usage: trie_floor SESSIONS TURNS SYSTEM TASK NEW_MIN NEW_MAX VOCAB QUERY ROUNDS
  * Prints one JSON object (microseconds per call, medians over ROUNDS):
  *
- *   insert_trie_us   rle_trie_walk + input checks + rle_trie_insert_at per call,
+ *   insert_trie_us   what the binding does per call: rle_trie_walk, then
+ *                    rle_trie_insert_checked (or input checks and
+ *                    rle_trie_insert_at when the trie must grow),
  *                    sessions in lockstep, whole conversation per call;
  *   insert_floor_us  the least an insert can do: compare the stored prefix
  *                    (already-laid-out runs, no tree) and append the new suffix's
@@ -197,11 +199,15 @@ int main(int argc, char **argv)
             rle_cursor cur;
             rle_handle h;
             rle_trie_walk(trie, roots[in->session], in->tok, in->n, &cur);
-            int64_t m = cur.matched, rest = in->n - m;
-            bad += rle_check_tokens(in->tok + m, rest) >= 0;
-            bad += rle_check_logprobs(in->lp + m, rest) >= 0;
-            bad += rle_check_versions(in->ver + m, rest, RLE_KIND_SAMPLED) >= 0;
-            bad += rle_trie_insert_at(trie, &cur, in->tok, in->lp, in->ver, in->n, RLE_KIND_SAMPLED, -1, &h) != RLE_OK;
+            int rc = rle_trie_insert_checked(trie, &cur, in->tok, in->lp, in->ver, in->n, RLE_KIND_SAMPLED, -1, &h);
+            if (rc == RLE_NOT_DONE) {
+                int64_t m = cur.matched, rest = in->n - m;
+                bad += rle_check_tokens(in->tok + m, rest) >= 0;
+                bad += rle_check_logprobs(in->lp + m, rest) >= 0;
+                bad += rle_check_versions(in->ver + m, rest, RLE_KIND_SAMPLED) >= 0;
+                rc = rle_trie_insert_at(trie, &cur, in->tok, in->lp, in->ver, in->n, RLE_KIND_SAMPLED, -1, &h);
+            }
+            bad += rc != RLE_OK;
         }
         if (r >= 0)
             ins_trie[r] = (now() - t0) / (double)ncalls * 1e6;
@@ -255,14 +261,17 @@ int main(int argc, char **argv)
         order[i] = order[j];
         order[j] = tmp;
     }
+    /* Only sessions with Q tokens are queried; their queries are allocated
+     * in query order, as the Python benchmark's are. */
     int32_t **queries = xmalloc((size_t)S * sizeof(int32_t *));
-    for (int32_t s = 0; s < S; s++)
-        queries[s] = dup(conv[s], (size_t)Q * 4);
-    /* Each session's stored edges along its path, root first, cut at Q. */
+    for (int32_t i = 0; i < nq; i++)
+        queries[order[i]] = dup(conv[order[i]], (size_t)Q * 4);
+    /* Each queried session's stored edges along its path, root first, cut at Q. */
     int32_t maxe = T + 2;
     run_t *edges = xmalloc((size_t)S * (size_t)maxe * sizeof(run_t));
     int32_t *nedges = calloc((size_t)S, sizeof(int32_t));
-    for (int32_t s = 0; s < S; s++) {
+    for (int32_t i = 0; i < nq; i++) {
+        int32_t s = order[i];
         rle_cursor cur;
         rle_trie_walk(trie, roots[s], conv[s], Q, &cur);
         int32_t path[64], np = 0;
