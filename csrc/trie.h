@@ -16,9 +16,10 @@
  * and an optional bound makes a growing call fail with RLE_ERR_LIMIT,
  * leaving the trie as it was. See trie_arena.c.
  *
- * This header knows nothing of Python: it must not include Python.h, and the
- * core must not validate token values (callers use rle_check_* before they
- * store anything). It is
+ * This header knows nothing of Python: it must not include Python.h. The
+ * core stores only values checked as rle_check_* checks them: callers run
+ * those checks before rle_trie_insert_at, and rle_trie_insert_checked runs
+ * the same checks itself while it copies. It is
  * mirrored one to one by rlengine/_trie.pxd; change both together.
  */
 
