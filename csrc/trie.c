@@ -157,25 +157,48 @@ int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens
     return RLE_OK;
 }
 
-int rle_trie_insert_checked(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
-                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out)
+/* The first invalid value of tokens/logprobs/versions[from:n], if any. */
+static int find_bad(const int32_t *tokens, const float *logprobs, const int32_t *versions, int64_t from, int64_t n,
+                    int32_t kind, rle_bad_input *bad)
 {
-    int64_t extra = n - cur->matched;
-    if (extra <= 0 || extra > INT32_MAX)
-        return RLE_NOT_DONE;
-    int need_split = cur->offset < t->nodes[cur->node].len;
-    int64_t m = cur->matched;
-    /* Copied into slots not handed out yet: if a value is bad, dropping
-     * them is doing nothing. With room already there, nothing below can
-     * fail, grow, or move the staged slots. */
-    int ok = rle_arena_stage(t, tokens + m, logprobs ? logprobs + m : NULL, versions ? versions + m : NULL,
-                             (int32_t)extra, kind, need_split + 1);
-    if (ok < 0)
-        return RLE_NOT_DONE;
-    if (ok == 0)
+    int64_t i;
+    if ((i = rle_check_tokens(tokens + from, n - from)) >= 0)
+        bad->field = RLE_FIELD_TOKENS;
+    else if (logprobs != NULL && (i = rle_check_logprobs(logprobs + from, n - from)) >= 0)
+        bad->field = RLE_FIELD_LOGPROBS;
+    else if (versions != NULL && (i = rle_check_versions(versions + from, n - from, kind)) >= 0)
+        bad->field = RLE_FIELD_VERSIONS;
+    else
+        return 0;
+    bad->index = from + i;
+    return 1;
+}
+
+int rle_trie_insert_checked(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
+                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out,
+                            rle_bad_input *bad)
+{
+    int64_t m = cur->matched, extra = n - m;
+    if (extra > 0 && extra <= INT32_MAX) {
+        int need_split = cur->offset < t->nodes[cur->node].len;
+        /* Copied into slots not handed out yet: if a value is bad, dropping
+         * them is doing nothing. With room already there, nothing below can
+         * fail, grow, or move the staged slots. */
+        int ok = rle_arena_stage(t, tokens + m, logprobs ? logprobs + m : NULL, versions ? versions + m : NULL,
+                                 (int32_t)extra, kind, need_split + 1);
+        if (ok > 0) {
+            *out = link_at(t, cur, tokens, logprobs, versions, extra, need_split, kind, request_id, 1);
+            return RLE_OK;
+        }
+        if (ok == 0) {
+            find_bad(tokens, logprobs, versions, m, n, kind, bad);
+            return RLE_ERR_INPUT;
+        }
+    }
+    /* No room (storing grows the trie), or nothing new to store. */
+    if (find_bad(tokens, logprobs, versions, m, n, kind, bad))
         return RLE_ERR_INPUT;
-    *out = link_at(t, cur, tokens, logprobs, versions, extra, need_split, kind, request_id, 1);
-    return RLE_OK;
+    return rle_trie_insert_at(t, cur, tokens, logprobs, versions, n, kind, request_id, out);
 }
 
 int rle_trie_depth(const rle_trie *t, rle_handle h, int64_t *depth)

@@ -18,8 +18,8 @@
  *
  * This header knows nothing of Python: it must not include Python.h. The
  * core stores only values checked as rle_check_* checks them: callers run
- * those checks before rle_trie_insert_at, and rle_trie_insert_checked runs
- * the same checks itself while it copies. It is
+ * those checks before rle_trie_insert_at, or call rle_trie_insert_checked,
+ * which runs them itself. It is
  * mirrored one to one by rlengine/_trie.pxd; change both together.
  */
 
@@ -43,8 +43,7 @@ extern "C" {
 #define RLE_ERR_LIMIT (-2)  /* the call would exceed the trie's memory bound */
 #define RLE_ERR_HANDLE (-3) /* not a live node of this trie (never made, or pruned) */
 #define RLE_ERR_RANGE (-4)  /* a length does not fit: more than INT32_MAX new tokens in one call */
-#define RLE_ERR_INPUT (-5)  /* rle_trie_insert_checked: some input value is invalid */
-#define RLE_NOT_DONE 1      /* rle_trie_insert_checked: storing would grow the trie; check, then insert_at */
+#define RLE_ERR_INPUT (-5)  /* rle_trie_insert_checked: an input value is invalid (see rle_bad_input) */
 
 /* A node of the trie, as (generation << 32 | index). It names the position
  * at the end of the node's edge, and stays valid until the node is pruned:
@@ -69,6 +68,16 @@ typedef struct {
     int64_t request_id;
     int32_t kind;
 } rle_segment;
+
+/* Which input value rle_trie_insert_checked refused: the first invalid
+ * one, tokens before logprobs before versions, as rle_check_* define them. */
+#define RLE_FIELD_TOKENS 0
+#define RLE_FIELD_LOGPROBS 1
+#define RLE_FIELD_VERSIONS 2
+typedef struct {
+    int32_t field;
+    int64_t index; /* into the call's arrays (not counted from the match) */
+} rle_bad_input;
 
 typedef struct {
     int64_t memory_bytes;   /* everything held from malloc */
@@ -103,16 +112,16 @@ int rle_trie_walk(const rle_trie *t, rle_handle at, const int32_t *tokens, int64
 int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
                        const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out);
 
-/* rle_trie_insert_at for input not checked yet, in one pass over it: the
- * new tokens, logprobs and versions are checked (as rle_check_* do, for
- * `kind`) while they are copied into the current block's free slots, and
- * linked only if all are valid. That needs room for them in the current
- * block and node array: when storing would grow the trie (or stores
- * nothing), it returns RLE_NOT_DONE having done nothing, and the caller
- * checks the input and calls rle_trie_insert_at. RLE_ERR_INPUT: some value
- * is invalid; the trie is unchanged (rle_check_* name it). */
+/* rle_trie_insert_at for input not checked yet: the new (unmatched)
+ * tokens, logprobs and versions are checked as rle_check_* check them (for
+ * `kind`; NULL arrays are not checked) before anything is stored. An
+ * invalid value gives RLE_ERR_INPUT with *bad naming it, the trie
+ * unchanged. When the current block and node array have room, the values
+ * are checked while they are copied into place (one pass over the input);
+ * otherwise they are checked first, so bad input never grows the trie. */
 int rle_trie_insert_checked(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
-                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out);
+                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out,
+                            rle_bad_input *bad);
 
 /* Tokens from the root to the end of `h`. */
 int rle_trie_depth(const rle_trie *t, rle_handle h, int64_t *depth);

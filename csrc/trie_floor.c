@@ -7,8 +7,7 @@
  * Prints one JSON object (microseconds per call, medians over ROUNDS):
  *
  *   insert_trie_us   what the binding does per call: rle_trie_walk, then
- *                    rle_trie_insert_checked (or input checks and
- *                    rle_trie_insert_at when the trie must grow),
+ *                    rle_trie_insert_checked (the input checked as stored),
  *                    sessions in lockstep, whole conversation per call;
  *   insert_floor_us  the least an insert can do: compare the stored prefix
  *                    (already-laid-out runs, no tree) and append the new suffix's
@@ -198,16 +197,10 @@ int main(int argc, char **argv)
             const call_t *in = &calls[0][c];
             rle_cursor cur;
             rle_handle h;
+            rle_bad_input which;
             rle_trie_walk(trie, roots[in->session], in->tok, in->n, &cur);
-            int rc = rle_trie_insert_checked(trie, &cur, in->tok, in->lp, in->ver, in->n, RLE_KIND_SAMPLED, -1, &h);
-            if (rc == RLE_NOT_DONE) {
-                int64_t m = cur.matched, rest = in->n - m;
-                bad += rle_check_tokens(in->tok + m, rest) >= 0;
-                bad += rle_check_logprobs(in->lp + m, rest) >= 0;
-                bad += rle_check_versions(in->ver + m, rest, RLE_KIND_SAMPLED) >= 0;
-                rc = rle_trie_insert_at(trie, &cur, in->tok, in->lp, in->ver, in->n, RLE_KIND_SAMPLED, -1, &h);
-            }
-            bad += rc != RLE_OK;
+            bad += rle_trie_insert_checked(trie, &cur, in->tok, in->lp, in->ver, in->n, RLE_KIND_SAMPLED, -1, &h,
+                                           &which) != RLE_OK;
         }
         if (r >= 0)
             ins_trie[r] = (now() - t0) / (double)ncalls * 1e6;

@@ -19,7 +19,9 @@ cdef extern from "trie.h" nogil:
         RLE_ERR_HANDLE
         RLE_ERR_RANGE
         RLE_ERR_INPUT
-        RLE_NOT_DONE
+        RLE_FIELD_TOKENS
+        RLE_FIELD_LOGPROBS
+        RLE_FIELD_VERSIONS
 
     ctypedef int64_t rle_handle
 
@@ -58,9 +60,13 @@ cdef extern from "trie.h" nogil:
     int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out)
 
+    ctypedef struct rle_bad_input:
+        int32_t field
+        int64_t index
+
     int rle_trie_insert_checked(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
                                 const int32_t *versions, int64_t n, int32_t kind, int64_t request_id,
-                                rle_handle *out)
+                                rle_handle *out, rle_bad_input *bad)
 
     int rle_trie_depth(const rle_trie *t, rle_handle h, int64_t *depth)
     int rle_trie_root_of(const rle_trie *t, rle_handle h, rle_handle *root)

@@ -180,8 +180,19 @@ cdef int _check_tokens(const int32_t *tokens, int64_t start, int64_t n) except -
     """
     cdef int64_t bad = rle_check_tokens(tokens + start, n - start)
     if bad >= 0:
-        raise InvalidRequest(f"tokens[{start + bad}]", tokens[start + bad], "token ids must be >= 0")
+        _refuse(RLE_FIELD_TOKENS, start + bad, tokens, NULL, NULL, 0)
     return 0
+
+
+cdef int _refuse(int32_t field, int64_t i, const int32_t *tokens, const float *logprobs, const int32_t *versions,
+                 int32_t kind) except -1:
+    """Raise the InvalidRequest for value ``i`` of ``field``, which rle_check_* refused."""
+    if field == RLE_FIELD_TOKENS:
+        raise InvalidRequest(f"tokens[{i}]", tokens[i], "token ids must be >= 0")
+    if field == RLE_FIELD_LOGPROBS:
+        raise InvalidRequest(f"logprobs[{i}]", logprobs[i], "logprobs must be <= 0 and not NaN")
+    raise InvalidRequest(f"versions[{i}]", versions[i], "sampled tokens need a version >= 0"
+                         if kind == RLE_KIND_SAMPLED else "prompt and environment tokens carry version -1")
 
 
 cdef class TokenTrie:
@@ -228,7 +239,8 @@ cdef class TokenTrie:
         cdef int64_t rid = _request_id(request_id)
         cdef Py_buffer tv, lv, vv
         cdef bint has_l = False, has_v = False
-        cdef int64_t n, m, bad
+        cdef int64_t n, m
+        cdef rle_bad_input bad
         cdef rle_cursor cur
         cdef rle_handle out
         cdef int rc
@@ -256,33 +268,11 @@ cdef class TokenTrie:
             rc = rle_trie_walk(self._t, h, tp, n, &cur)
             if rc != RLE_OK:
                 self._fail(rc, at, n)
-            # The common case in one pass over the new tokens: checked while
-            # copied into place, linked only if valid. Otherwise (the trie
-            # must grow first, or a value is bad) the checks below run on
-            # their own and name the first bad value.
-            rc = rle_trie_insert_checked(self._t, &cur, tp, lp, vp, n, k, rid, &out)
-            if rc == RLE_OK:
-                return (out, cur.matched)
-            if rc != RLE_NOT_DONE and rc != RLE_ERR_INPUT:
-                self._fail(rc, at, n - cur.matched)
-            _check_tokens(tp, cur.matched, n)
-            # Logprobs and versions, too, only where not stored yet: the stored
-            # prefix keeps its own data, and a resent conversation may carry
-            # anything there.
-            if has_l:
-                bad = rle_check_logprobs(lp + cur.matched, n - cur.matched)
-                if bad >= 0:
-                    raise InvalidRequest(f"logprobs[{cur.matched + bad}]", lp[cur.matched + bad],
-                                         "logprobs must be <= 0 and not NaN")
-            if has_v:
-                bad = rle_check_versions(vp + cur.matched, n - cur.matched, k)
-                if bad >= 0:
-                    raise InvalidRequest(f"versions[{cur.matched + bad}]", vp[cur.matched + bad],
-                                         "sampled tokens need a version >= 0" if k == RLE_KIND_SAMPLED
-                                         else "prompt and environment tokens carry version -1")
+            # Only the new tokens' values are checked: the stored prefix keeps
+            # its own data, and a resent conversation may carry anything there.
+            rc = rle_trie_insert_checked(self._t, &cur, tp, lp, vp, n, k, rid, &out, &bad)
             if rc == RLE_ERR_INPUT:
-                raise AssertionError("the token trie refused input its checks accept (a bug in csrc/trie_arena.c)")
-            rc = rle_trie_insert_at(self._t, &cur, tp, lp, vp, n, k, rid, &out)
+                _refuse(bad.field, bad.index, tp, lp, vp, k)
             if rc != RLE_OK:
                 self._fail(rc, at, n - cur.matched)
             return (out, cur.matched)
