@@ -35,16 +35,18 @@ from rlengine.config import SimConfig
 __all__ = ["SimBackend", "decode_sim_token"]
 
 _M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+"""splitmix64's constants: ``_mix`` and its vectorized twin ``_draw`` share them."""
 
 
 def _mix(seed: int, pos: int) -> int:
-    z = (seed + (pos + 1) * 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z = (seed + (pos + 1) * _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * _MUL1) & _M64
+    z = ((z ^ (z >> 27)) * _MUL2) & _M64
     return z ^ (z >> 31)
 
 
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_MIX = (np.uint64(_GOLDEN), np.uint64(_MUL1), np.uint64(_MUL2))
 
 
 def _draw(seqs: list[_SimSeq], vocab: int) -> None:
