@@ -210,8 +210,7 @@ class LoraTrainer(TorchTrainer):
         if (spec.rank, spec.target_modules()) != (self.lora.rank, self.lora.target_modules()):
             raise InvalidRequest("path", path, f"was saved with LoRA rank {spec.rank} on {spec.target_modules()}; "
                                  f"this model has rank {self.lora.rank} on {self.lora.target_modules()}")
-        return self._matching(path, load_file(os.path.join(path, ADAPTER_FILE)),
-                              "adapter tensors do not match this model (differing")
+        return self._matching(path, load_file(os.path.join(path, ADAPTER_FILE)), "adapter tensors", "differing")
 
 
 

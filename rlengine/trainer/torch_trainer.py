@@ -217,13 +217,15 @@ class TorchTrainer:
         file = os.path.join(path, _WEIGHTS_FILE)
         if not os.path.isfile(file):
             raise InvalidRequest("path", path, f"holds no {_WEIGHTS_FILE} (not a saved torch trainer state)")
-        return self._matching(path, load_file(file), "weights do not match this model (differing names")
+        return self._matching(path, load_file(file), "weights", "differing names")
 
-    def _matching(self, path: str, weights: dict[str, torch.Tensor], mismatch: str) -> dict[str, torch.Tensor]:
-        """``weights`` if they hold exactly this trainer's parameters, shape for shape."""
+    def _matching(self, path: str, weights: dict[str, torch.Tensor], what: str,
+                  differing: str) -> dict[str, torch.Tensor]:
+        """``weights`` if they hold exactly this trainer's parameters, shape for shape; ``what``
+        and ``differing`` word the error otherwise."""
         if set(weights) != set(self.named_params):
             diff = sorted(set(weights) ^ set(self.named_params))
-            raise InvalidRequest("path", path, f"{mismatch}: {diff[:5]})")
+            raise InvalidRequest("path", path, f"{what} do not match this model ({differing}: {diff[:5]})")
         for name, tensor in weights.items():
             if tensor.shape != self.named_params[name].shape:
                 raise InvalidRequest("path", path, f"{name} has shape {tuple(tensor.shape)}, expected "
