@@ -363,8 +363,7 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def _prompt_bytes(self, prompt: Any) -> bytes:
-        raw = prompt.tokens_raw if type(prompt) is ModelInput else \
-            prompt.tokens_raw if isinstance(prompt, ModelInput) else int32_bytes("prompt", prompt)
+        raw = prompt.tokens_raw if isinstance(prompt, ModelInput) else int32_bytes("prompt", prompt)
         n = len(raw) >> 2
         if n == 0:
             raise InvalidRequest("prompt", "[]", "must hold at least one token")
