@@ -68,10 +68,7 @@ valgrind:
 	@echo "valgrind: no errors and no leaks through the trie (build/valgrind.log lists CPython's own)"
 
 floor:
-	mkdir -p build
-	$(CC) -O3 -Wall -Wno-unused-function -Icsrc csrc/trie_floor.c csrc/trie.c csrc/trie_arena.c -o build/trie_floor
-	# bench/test_trie.py's workload: sessions turns system task new_min new_max vocab query rounds
-	build/trie_floor 2000 8 800 200 50 300 150000 1800 5
+	OMP_NUM_THREADS=1 $(PY) bench/trie_floor.py
 
 clean:
 	rm -rf build rlengine/_trie.c rlengine/_trie.*.so

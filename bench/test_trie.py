@@ -171,9 +171,12 @@ def floor_exe(tmp_path_factory) -> object:
     return trie_floor.build(tmp_path_factory.mktemp("floor"))
 
 
+FLOOR_WORKLOAD = {"sessions": SESSIONS, "turns": TURNS, "system": SYSTEM, "task": TASK, "new_min": NEW_MIN,
+                  "new_max": NEW_MAX, "vocab": VOCAB, "query": QUERY, "rounds": 5}
+
+
 def floor_figures(exe) -> dict[str, float]:
-    return trie_floor.run(exe, sessions=SESSIONS, turns=TURNS, system=SYSTEM, task=TASK, new_min=NEW_MIN,
-                          new_max=NEW_MAX, vocab=VOCAB, query=QUERY, rounds=5)
+    return trie_floor.run(exe, **FLOOR_WORKLOAD)
 
 
 def c_fresh(w: Workload) -> tuple[TokenTrie, list[int]]:

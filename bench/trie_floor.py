@@ -9,6 +9,9 @@ what the trie's cold figures are held to: a ratio target above
     exe = build(tmp_dir)
     figures = run(exe, sessions=2000, turns=8, ...)
 
+``python bench/trie_floor.py`` (or ``make floor``) builds it into build/ and
+runs it once on bench/test_trie.py's workload.
+
 Needs a C compiler (``$CC``, else the one Python was built with, as
 setuptools picks for the extension). The driver exits non-zero, and ``run``
 raises, if any walk, comparison or insert in it went wrong.
@@ -42,3 +45,10 @@ def run(exe: Path, **workload: int) -> dict[str, float]:
     args = [str(workload[k]) for k in ORDER]
     out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True, timeout=600)
     return json.loads(out.stdout)
+
+
+if __name__ == "__main__":
+    import test_trie  # the benchmark's workload (this directory is on sys.path)
+
+    (ROOT / "build").mkdir(exist_ok=True)
+    print(json.dumps(run(build(ROOT / "build"), **test_trie.FLOOR_WORKLOAD)))
