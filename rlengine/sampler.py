@@ -82,15 +82,11 @@ class _Seq(msgspec.Struct, gc=False):
         return 0 if self.tokens is None else len(self.tokens)
 
     def add(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        """Append a report. (A first report of the backend's own arrays is taken over
+        without a copy by SamplerLoop._apply, the hot path, and never comes here.)"""
         if self.tokens is None:
-            # Most sequences report once (non-streaming): build the arrays then, or take
-            # the backend's own arrays (handed over: see ``RequestOutput.token_ids``).
-            if type(token_ids) is array and type(logprobs) is array and token_ids.typecode == "i" \
-                    and logprobs.typecode == "f":
-                self.tokens, self.logprobs = token_ids, logprobs
-            else:
-                self.tokens = array("i", token_ids)
-                self.logprobs = array("f", logprobs)
+            self.tokens = array("i", token_ids)
+            self.logprobs = array("f", logprobs)
             self.version = version
             return
         if self.version != version:
@@ -102,11 +98,11 @@ class _Seq(msgspec.Struct, gc=False):
         assert self.logprobs is not None
         self.logprobs.extend(logprobs)
 
-    def versions_raw(self) -> bytes:
-        n = self.length
-        if self.spans is None:
-            return b"" if self.version is None else _I32.pack(self.version) * n
-        ends = [start for start, _ in self.spans[1:]] + [n]
+    def _spans_raw(self) -> bytes:
+        """The per-token versions of a sequence whose version changed (``spans``); the
+        one-version case is built in ``to_sequence``."""
+        assert self.spans is not None
+        ends = [start for start, _ in self.spans[1:]] + [self.length]
         return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(self.spans, ends))
 
     def to_sequence(self, stop_reason: str) -> SampledSequence:
@@ -114,8 +110,7 @@ class _Seq(msgspec.Struct, gc=False):
         if tokens is None:
             return SampledSequence(stop_reason=stop_reason)
         assert self.logprobs is not None
-        # One version throughout (the common case) inlined from versions_raw.
-        versions = _I32.pack(self.version) * len(tokens) if self.spans is None else self.versions_raw()
+        versions = _I32.pack(self.version) * len(tokens) if self.spans is None else self._spans_raw()
         return SampledSequence(stop_reason=stop_reason, tokens_raw=tokens.tobytes(),
                                logprobs_raw=self.logprobs.tobytes(), versions_raw=versions)
 
@@ -338,8 +333,8 @@ class SamplerLoop:
                 logprobs = out.logprobs
                 if seq.tokens is None and type(token_ids) is array and type(logprobs) is array \
                         and token_ids.typecode == "i" and logprobs.typecode == "f":
-                    # The hot path (a sequence reporting once, finished), inlined from
-                    # _Seq.add: take the backend's arrays over.
+                    # The hot path (a sequence reporting once, finished): take the
+                    # backend's arrays over (see RequestOutput.token_ids).
                     seq.tokens, seq.logprobs, seq.version = token_ids, logprobs, version
                 else:
                     seq.add(token_ids, logprobs, version)
