@@ -216,7 +216,7 @@ class Scheduler:
         admitted: list[SampleItem | LeaseItem] = []
         stale: list[SampleItem | LeaseItem] = []
         pending, active, ids, loaded = self._pending, self._active, self._ids, self.version
-        # The per-request hot path: ``is_stale`` and ``_new_lease`` inlined.
+        # The per-request hot path: ``is_stale`` inlined, and the only place leases are made.
         while pending and type(pending[0]) is not BlockingItem:
             item = pending.popleft()
             if loaded is None or (item.version is not None and item.version != loaded):
@@ -246,11 +246,6 @@ class Scheduler:
         return self._pending.popleft()
 
     # -- leases ---------------------------------------------------------------
-
-    def _new_lease(self, session_id: str | None, request_id: str) -> Lease:
-        lease = Lease(self, next(self._ids), session_id, request_id)
-        self._active[lease.lease_id] = lease
-        return lease
 
     @property
     def in_flight(self) -> int:
