@@ -15,7 +15,8 @@
  *                    (no page faults: a lower bound for any allocator);
  *   match_trie_us    rle_trie_walk of a 1,800-token query, sessions in random order;
  *   match_floor_us   memcmp of the query against the same stored edges, their
- *                    addresses known in advance (no walk, no node records);
+ *                    addresses known in advance (no walk, no node records),
+ *                    so all of their first lines are requested up front;
  *   match_query_us   reading the query alone, which every matcher must do.
  *
  * Every call gets its own input buffers, allocated in call order, as in the
@@ -294,6 +295,15 @@ int main(int argc, char **argv)
         for (int32_t i = 0; i < nq; i++) {
             int32_t s = order[i];
             const int32_t *q = queries[s];
+            /* The addresses are known, so every edge's first lines and the
+             * query's are requested at once, and compared after: about 10 %
+             * below comparing edge by edge, where each edge's first DRAM wait
+             * comes in turn. (More lines, or the whole path: no lower.) */
+            for (int32_t k = 0; k < nedges[s]; k++)
+                for (int j = 0; j < 4; j++)
+                    __builtin_prefetch(edges[(int64_t)s * maxe + k].tok + 16 * j);
+            for (int j = 0; j < 8; j++)
+                __builtin_prefetch(q + 16 * j);
             for (int32_t k = 0; k < nedges[s]; k++) {
                 const run_t *e = &edges[(int64_t)s * maxe + k];
                 check += memcmp(e->tok, q, (size_t)e->len * 4) == 0 ? e->len : 0;
