@@ -298,7 +298,8 @@ int main(int argc, char **argv)
             /* The addresses are known, so every edge's first lines and the
              * query's are requested at once, and compared after: about 10 %
              * below comparing edge by edge, where each edge's first DRAM wait
-             * comes in turn. (More lines, or the whole path: no lower.) */
+             * comes in turn. (One or two lines per edge gained less; the
+             * whole path at once, nothing.) */
             for (int32_t k = 0; k < nedges[s]; k++)
                 for (int j = 0; j < 4; j++)
                     __builtin_prefetch(edges[(int64_t)s * maxe + k].tok + 16 * j);
