@@ -467,7 +467,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS is read from /proc")
 def _trim_heap() -> None:
     """Give free heap memory back to the system (glibc's malloc_trim), if we can.
 
@@ -486,6 +485,7 @@ def _trim_heap() -> None:
         pass
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS is read from /proc")
 def test_c_rss_returns_after_prune():
     tokens = np.arange(10_000_000, dtype=np.int32)  # 120 MB stored: ids, logprobs, versions
     t = c_trie.TokenTrie()
