@@ -171,17 +171,14 @@ def workload() -> Workload:
     return Workload()
 
 
-@pytest.fixture(scope="module")
-def floor_exe(tmp_path_factory) -> object:
-    return trie_floor.build(tmp_path_factory.mktemp("floor"))
-
-
 FLOOR_WORKLOAD = {"sessions": SESSIONS, "turns": TURNS, "system": SYSTEM, "task": TASK, "new_min": NEW_MIN,
                   "new_max": NEW_MAX, "vocab": VOCAB, "query": QUERY, "rounds": 5}
 
 
-def floor_figures(exe) -> dict[str, float]:
-    return trie_floor.run(exe, **FLOOR_WORKLOAD)
+@pytest.fixture(scope="module")
+def floor(tmp_path_factory) -> dict[str, float]:
+    """The driver's figures (insert and match), measured once for both benchmarks."""
+    return trie_floor.run(trie_floor.build(tmp_path_factory.mktemp("floor")), **FLOOR_WORKLOAD)
 
 
 def c_fresh(w: Workload) -> tuple[TokenTrie, list[int]]:
@@ -254,9 +251,8 @@ def empty_insert_us(trie: TokenTrie, root: int) -> float:
     return median_loop_seconds(run, tuple) / len(calls) * 1e6
 
 
-def test_insert_full_conversation(benchmark, workload, floor_exe):
+def test_insert_full_conversation(benchmark, workload, floor):
     w = workload
-    floor = floor_figures(floor_exe)
     py_cold = median_loop_seconds(lambda t, r: py_insert_all(w, t, r), lambda: py_fresh(w))
     benchmark.pedantic(lambda t, r: c_insert_all(w, t, r), setup=lambda: (c_fresh(w), {}), rounds=7, iterations=1)
     c_cold = benchmark.stats.stats.median
@@ -297,7 +293,7 @@ def test_insert_full_conversation(benchmark, workload, floor_exe):
     })
 
 
-def test_match_1800_tokens(benchmark, workload, floor_exe):
+def test_match_1800_tokens(benchmark, workload, floor):
     w = workload
     trie, roots = c_fresh(w)
     c_insert_all(w, trie, roots)
@@ -312,7 +308,6 @@ def test_match_1800_tokens(benchmark, workload, floor_exe):
 
     matched = len(c_items) * QUERY
     assert loop(trie.longest_prefix, c_items) == loop(py_trie.longest_prefix, py_items) == matched
-    floor = floor_figures(floor_exe)
     py_cold = median_loop_seconds(lambda: loop(py_trie.longest_prefix, py_items), tuple)
     numpy_cold = median_loop_seconds(lambda: loop(trie.longest_prefix, numpy_items), tuple)
     benchmark.pedantic(lambda: loop(trie.longest_prefix, c_items), rounds=15, iterations=1)

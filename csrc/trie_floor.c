@@ -21,7 +21,8 @@
  *
  * Every call gets its own input buffers, allocated in call order, as in the
  * Python benchmark; neither the trie nor the inputs fit in cache, so these
- * are DRAM figures. Built and run by bench/test_trie.py::test_memory_floor.
+ * are DRAM figures. Built and run by bench/trie_floor.py, for the benchmarks in
+ * bench/test_trie.py and for `make floor`.
  * It may include trie_arena.h: it lives in csrc/.
  */
 
