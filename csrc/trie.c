@@ -375,13 +375,11 @@ int64_t rle_trie_prune(rle_trie *t, rle_handle h)
  * vectorizes), and look for the index only when something is wrong. */
 int64_t rle_check_tokens(const int32_t *tokens, int64_t n)
 {
-    int32_t acc = 0;
+    int bad = 0;
     for (int64_t i = 0; i < n; i++)
-        acc |= tokens[i];
-    if (acc >= 0)
-        return -1;
-    for (int64_t i = 0; i < n; i++)
-        if (tokens[i] < 0)
+        bad |= bad_token(tokens[i]);
+    for (int64_t i = 0; bad && i < n; i++)
+        if (bad_token(tokens[i]))
             return i;
     return -1;
 }
@@ -390,11 +388,9 @@ int64_t rle_check_logprobs(const float *logprobs, int64_t n)
 {
     int bad = 0;
     for (int64_t i = 0; i < n; i++)
-        bad |= !(logprobs[i] <= 0.0f);
-    if (!bad)
-        return -1;
-    for (int64_t i = 0; i < n; i++)
-        if (!(logprobs[i] <= 0.0f))
+        bad |= bad_logprob(logprobs[i]);
+    for (int64_t i = 0; bad && i < n; i++)
+        if (bad_logprob(logprobs[i]))
             return i;
     return -1;
 }
@@ -402,17 +398,10 @@ int64_t rle_check_logprobs(const float *logprobs, int64_t n)
 int64_t rle_check_versions(const int32_t *versions, int64_t n, int32_t kind)
 {
     int bad = 0;
-    if (kind == RLE_KIND_SAMPLED) {
-        for (int64_t i = 0; i < n; i++)
-            bad |= versions[i] < 0;
-    } else {
-        for (int64_t i = 0; i < n; i++)
-            bad |= versions[i] != -1;
-    }
-    if (!bad)
-        return -1;
     for (int64_t i = 0; i < n; i++)
-        if (kind == RLE_KIND_SAMPLED ? versions[i] < 0 : versions[i] != -1)
+        bad |= bad_version(versions[i], kind);
+    for (int64_t i = 0; bad && i < n; i++)
+        if (bad_version(versions[i], kind))
             return i;
     return -1;
 }

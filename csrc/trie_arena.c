@@ -325,18 +325,17 @@ int rle_arena_stage(rle_trie *t, const int32_t *tokens, const float *logprobs, c
     int32_t *tok = blk->tok + blk->used;
     float *lp = blk->lp + blk->used;
     int32_t *ver = blk->ver + blk->used;
-    /* Branch-free loops (they vectorize): any negative id sets the sign
-     * bit of `ids`; `bad` collects the rest. */
-    int32_t ids = 0, bad = 0;
+    /* Branch-free loops: they vectorize (gcc unswitches the one on kind). */
+    int bad = 0;
     for (int32_t i = 0; i < n; i++) {
         int32_t v = tokens[i];
-        ids |= v;
+        bad |= bad_token(v);
         tok[i] = v;
     }
     if (logprobs != NULL) {
         for (int32_t i = 0; i < n; i++) {
             float x = logprobs[i];
-            bad |= !(x <= 0.0f);
+            bad |= bad_logprob(x);
             lp[i] = x;
         }
     } else {
@@ -345,24 +344,14 @@ int rle_arena_stage(rle_trie *t, const int32_t *tokens, const float *logprobs, c
     if (versions == NULL) {
         for (int32_t i = 0; i < n; i++)
             ver[i] = -1;
-    } else if (kind == RLE_KIND_SAMPLED) {
-        int32_t neg = 0;
-        for (int32_t i = 0; i < n; i++) {
-            int32_t v = versions[i];
-            neg |= v;
-            ver[i] = v;
-        }
-        bad |= neg < 0;
     } else {
-        int32_t other = 0; /* ~v is 0 only for -1 */
         for (int32_t i = 0; i < n; i++) {
             int32_t v = versions[i];
-            other |= ~v;
+            bad |= bad_version(v, kind);
             ver[i] = v;
         }
-        bad |= other != 0;
     }
-    return ids >= 0 && !bad;
+    return !bad;
 }
 
 void rle_arena_store(rle_trie *t, node_t *into, const int32_t *tokens, const float *logprobs, const int32_t *versions,

@@ -92,6 +92,12 @@ static inline int32_t node_of(const rle_trie *t, rle_handle h)
     return (int32_t)idx;
 }
 
+/* The values the core stores, one test each: rle_check_* (trie.c) and
+ * rle_arena_stage both use these, so the rules are written only here. */
+static inline int bad_token(int32_t v) { return v < 0; }
+static inline int bad_logprob(float x) { return !(x <= 0.0f); } /* NaN too */
+static inline int bad_version(int32_t v, int32_t kind) { return kind == RLE_KIND_SAMPLED ? v < 0 : v != -1; }
+
 static inline const int32_t *edge_tokens(const rle_trie *t, const node_t *n)
 {
     return t->blocks[n->block].tok + n->off;
