@@ -1,5 +1,5 @@
 # Makefile: developer shortcuts for the compiled token trie (csrc/trie.c and
-# its binding rlengine/_trie.pyx): build, test, and check memory safety.
+# its binding rlengine/trace/_trie.pyx): build, test, and check memory safety.
 #
 #   make build      editable install, -O3 (what `pip install -e .` does)
 #   make test-trie  the trie and trace store tests
@@ -17,11 +17,11 @@
 # Sanitizer builds go to build/, never over the in-place extension, so a
 # failed run cannot leave a sanitized module where the normal one belongs.
 # Python itself leaks at exit, so leak reports are filtered to those with a
-# trie frame (csrc/*.c or the generated rlengine/_trie.c) in their stack.
+# trie frame (csrc/*.c or the generated rlengine/trace/_trie.c) in their stack.
 
 PYTHON ?= python3
 PY := $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
-TESTS := $(CURDIR)/tests/test_trie.py $(CURDIR)/tests/test_trace.py
+TESTS := $(CURDIR)/tests/trace/test_trie.py $(CURDIR)/tests/trace/test_trace.py
 ASAN_DIR := $(CURDIR)/build/asan
 LIBASAN := $(shell gcc -print-file-name=libasan.so)
 # Paragraph mode: one LSan/valgrind report per paragraph; print those with a trie frame.
@@ -45,7 +45,7 @@ asan:
 	  export LD_PRELOAD=$(LIBASAN) PYTHONPATH=$(ASAN_DIR)/lib PYTHONMALLOC=malloc OMP_NUM_THREADS=1 \
 	    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:exitcode=0:log_path=$(ASAN_DIR)/report \
 	    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 && \
-	  $(PY) -c 'import rlengine._trie as t, sys; sys.exit(0 if t.__file__.startswith("$(ASAN_DIR)") else "not the ASan build: " + t.__file__)' && \
+	  $(PY) -c 'import rlengine.trace._trie as t, sys; sys.exit(0 if t.__file__.startswith("$(ASAN_DIR)") else "not the ASan build: " + t.__file__)' && \
 	  $(PY) -m pytest -q -p no:cacheprovider -k "not rss" $(TESTS)
 	@if ls $(ASAN_DIR)/report.* >/dev/null 2>&1 && grep -l "ERROR: AddressSanitizer\|runtime error" $(ASAN_DIR)/report.*; then \
 	  echo "asan: sanitizer errors, see the reports above"; exit 1; fi
@@ -71,4 +71,4 @@ floor:
 	OMP_NUM_THREADS=1 $(PY) bench/trie_floor.py
 
 clean:
-	rm -rf build rlengine/_trie.c rlengine/_trie.*.so
+	rm -rf build rlengine/trace/_trie.c rlengine/trace/_trie.*.so

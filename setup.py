@@ -24,9 +24,9 @@ if _mode not in _FLAGS:
     raise SystemExit(f"RLENGINE_BUILD={_mode!r}: must be one of {sorted(_FLAGS)}")
 
 trie = Extension(
-    "rlengine._trie",
-    sources=["rlengine/_trie.pyx", "csrc/trie.c", "csrc/trie_arena.c"],
-    depends=["csrc/trie.h", "csrc/trie_arena.h", "rlengine/_trie.pxd"],
+    "rlengine.trace._trie",
+    sources=["rlengine/trace/_trie.pyx", "csrc/trie.c", "csrc/trie_arena.c"],
+    depends=["csrc/trie.h", "csrc/trie_arena.h", "rlengine/trace/_trie.pxd"],
     include_dirs=["csrc"],
     extra_compile_args=_FLAGS[_mode],
     extra_link_args=["-fsanitize=address,undefined"] if _mode == "asan" else [],

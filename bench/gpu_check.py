@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 import rlengine as rle
-from rlengine.models import build_tiny
+from rlengine.backends.torch.models import build_tiny
 
 QWEN2_05B = {"vocab_size": 2048, "model_vocab_size": 151_936, "hidden_size": 896, "num_layers": 24,
              "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864, "max_position_embeddings": 4096,
@@ -148,7 +148,7 @@ def weight_install(engine: rle.Engine) -> dict[str, Any]:
     client = engine.training_client()
     client.save_weights_for_sampler().result(600)
     # What goes into the sampler: the trainer's named tensors (converted to the sampler's dtype on the way).
-    mb = sum(t.numel() * t.element_size() for _, t in engine._build_trainer().sampler_weights()) / 2**20
+    mb = sum(t.numel() * t.element_size() for _, t in engine.get_trainer().sampler_weights()) / 2**20
     times = []
     for _ in range(3):
         _sync()

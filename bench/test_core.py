@@ -1,7 +1,7 @@
 """Control-plane benchmarks (pytest-benchmark); figures in bench/RESULTS.md.
 
 Each benchmark measures its figure and its baseline in the same run (see
-``rlengine.benchmarks``) and puts both, with the ratio, in
+``rlengine.workloads``) and puts both, with the ratio, in
 ``benchmark.extra_info``; the assertion is on that same-run figure.
 
     OMP_NUM_THREADS=1 python -m pytest bench/test_core.py --benchmark-only -s
@@ -9,7 +9,7 @@ Each benchmark measures its figure and its baseline in the same run (see
 
 from __future__ import annotations
 
-from rlengine.benchmarks import continuous_vs_wave, control_plane_overhead
+from rlengine.workloads import continuous_vs_wave, control_plane_overhead
 
 
 def test_control_plane_overhead_per_request(record):

@@ -13,7 +13,7 @@ bench/RESULTS_serve.md.
   interleaved blocks: p50 <= 2x the floor and >= 10k requests/s on one
   connection. Also reported: the ratio to a bare echo of the frame bytes
   with no codec on either side;
-* the same chat turn over IPC (``rlengine.client``) and over HTTP
+* the same chat turn over IPC (``rlengine.sandbox_client``) and over HTTP
   (``http.client`` keep-alive, and the ``openai`` client): the ratio;
 * 256 agent sessions from 8 sandbox processes for ``RLENGINE_SOAK_S``
   seconds (30) on the sim backend with a weight install every 2 s: every
@@ -106,7 +106,7 @@ class _BlockingServer:
 
 PING_CLIENT = """
 import json, socket, sys, time
-from rlengine.client import Client
+from rlengine.sandbox_client import Client
 echo_path, floor_path, engine_path, blocks, per_block = sys.argv[1:4] + [int(x) for x in sys.argv[4:6]]
 echo = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 echo.connect(echo_path)
@@ -186,7 +186,7 @@ CHAT_CLIENT = """
 import http.client, json, sys, time
 from urllib.parse import urlparse
 import openai
-from rlengine.client import Client
+from rlengine.sandbox_client import Client
 ipc_path, http_url, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 messages = [{"role": "system", "content": "You are a terse agent."}, {"role": "user", "content": "Say hi."}]
 params = {"max_tokens": 8, "temperature": 0.0}
@@ -245,7 +245,7 @@ def test_chat_over_ipc_vs_http(record):
 
 SOAK_SANDBOX = """
 import asyncio, json, random, sys, time
-from rlengine.client import AsyncClient
+from rlengine.sandbox_client import AsyncClient
 path, out_path = sys.argv[1], sys.argv[5]
 index, sessions, seconds = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 records = []

@@ -32,8 +32,8 @@ import pytest
 import torch
 
 import rlengine as rle
-from rlengine.backends.torch_backend import TorchBackend
-from rlengine.models import build_tiny, prepare
+from rlengine.backends.torch.backend import TorchBackend
+from rlengine.backends.torch.models import build_tiny, prepare
 from rlengine.trainer.torch_trainer import TorchTrainer
 
 ROUNDS = 5

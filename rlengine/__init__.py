@@ -14,14 +14,14 @@ Importing this package never imports torch or vLLM.
 from typing import Any
 
 # Names load on first use (PEP 562), so that importing a light submodule
-# (``rlengine.client`` and ``rlengine.protocol`` in a sandbox, which need
+# (``rlengine.sandbox_client`` and ``rlengine.protocol`` in a sandbox, which need
 # only msgspec and the standard library) does not import the engine and numpy.
 _EXPORTS: dict[str, str] = {
-    "SamplingClient": "rlengine.clients", "TrainingClient": "rlengine.clients",
-    "EngineConfig": "rlengine.config", "SimConfig": "rlengine.config",
-    "Engine": "rlengine.engine",
-    "RequestFuture": "rlengine.futures",
-    "Lease": "rlengine.scheduler",
+    "SamplingClient": "rlengine.core.clients", "TrainingClient": "rlengine.core.clients",
+    "EngineConfig": "rlengine.core.config", "SimConfig": "rlengine.core.config",
+    "Engine": "rlengine.core.engine",
+    "RequestFuture": "rlengine.core.futures",
+    "Lease": "rlengine.core.scheduler",
     **{name: "rlengine.errors" for name in (
         "BackendRequestError", "ConfigurationError", "DrainTimeout", "EngineClosed", "EngineDeadError",
         "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "RequestAborted", "RequestError",

@@ -30,7 +30,7 @@ def info() -> dict[str, Any]:
     """Versions, backends (usable or why not), extensions, threads."""
     import rlengine
     from rlengine.backends import available
-    from rlengine.config import continuous_sampling_from_env
+    from rlengine.core.config import continuous_sampling_from_env
 
     return {
         "rlengine": rlengine.__version__,
@@ -50,7 +50,7 @@ def info() -> dict[str, Any]:
 def _trie_implementation() -> str:
     """Which token trie is loaded: the C extension, the reference, or why neither."""
     try:
-        from rlengine.trie import IMPLEMENTATION
+        from rlengine.trace.trie import IMPLEMENTATION
     except ImportError as exc:
         return f"not loaded: {exc}"
     return IMPLEMENTATION
@@ -59,7 +59,7 @@ def _trie_implementation() -> str:
 def _auto_backend() -> dict[str, str | None]:
     """What ``backend="auto"`` resolves to here, and why."""
     from rlengine.backends import AUTO_ORDER, available, resolve_backend
-    from rlengine.config import EngineConfig
+    from rlengine.core.config import EngineConfig
     from rlengine.errors import ConfigurationError
 
     try:
@@ -104,7 +104,7 @@ def _bench_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str,
 
 
 def bench(as_json: bool) -> int:
-    from rlengine.benchmarks import run_all
+    from rlengine.workloads import run_all
 
     results = run_all()
     if as_json:

@@ -20,7 +20,7 @@ numbers and bytes only, so a frame cannot make the reader run code.
 
 This module imports only msgspec, the standard library and
 ``rlengine.errors`` (itself stdlib-only): sandboxes import it through
-``rlengine.client`` without numpy, torch or the engine. It holds no I/O.
+``rlengine.sandbox_client`` without numpy, torch or the engine. It holds no I/O.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(model_cache: str) -> str:
     """The directory of the default tiny model, built once into ``model_cache``."""
-    from rlengine.config import EngineConfig
-    from rlengine.models import prepare
+    from rlengine.backends.torch.models import prepare
+    from rlengine.core.config import EngineConfig
 
     return prepare(EngineConfig(model="tiny", cache_dir=model_cache))
 
@@ -72,7 +72,7 @@ def engine_config(model_cache: str):
     enough to observe) and never stops early, like a model run with
     ``ignore_eos``.
     """
-    from rlengine.config import EngineConfig, SimConfig
+    from rlengine.core.config import EngineConfig, SimConfig
 
     def make(backend: str, **overrides):
         if backend == "sim":

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import rlengine as rle
-from rlengine.engine import _new_loop
+from rlengine.core.engine import new_event_loop
 from rlengine.serve import ServeConfig, Server
 
 WAIT = 60.0
@@ -39,7 +39,7 @@ class Served:
     """Engines + server on a private loop thread; ``close`` stops everything (bounded)."""
 
     def __init__(self, configs: list[rle.EngineConfig], serve_config: ServeConfig | None = None) -> None:
-        self.loop = _new_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="serve-test-loop", daemon=True)
         self.thread.start()
         self.engines: list[rle.Engine] = []

@@ -51,9 +51,9 @@ def test_bench_table_from_results(monkeypatch, capsys):
                                "continuous_mean_turn_ms": 71.0, "makespan_ratio_wave_over_continuous": 2.0,
                                "wave_makespan_s": 2.4, "continuous_makespan_s": 1.2},
     }
-    import rlengine.benchmarks
+    import rlengine.workloads
 
-    monkeypatch.setattr(rlengine.benchmarks, "run_all", lambda: fake)
+    monkeypatch.setattr(rlengine.workloads, "run_all", lambda: fake)
     assert cli.main(["bench"]) == 0
     out = capsys.readouterr().out
     assert "9.5 us" in out and "4.20x" in out and "2.00x" in out
@@ -62,7 +62,7 @@ def test_bench_table_from_results(monkeypatch, capsys):
 
 
 def test_benchmark_workloads_run_small():
-    from rlengine.benchmarks import continuous_vs_wave, control_plane_overhead
+    from rlengine.workloads import continuous_vs_wave, control_plane_overhead
 
     o = control_plane_overhead(n_requests=50, gen_len=4, rounds=1)
     assert o["n_requests"] == 50 and o["engine_ms"] > 0 and o["direct_backend_ms"] > 0

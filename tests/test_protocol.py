@@ -143,12 +143,12 @@ def test_client_imports_only_msgspec_and_the_standard_library():
     code = (
         "import sys, msgspec\n"
         "before = set(sys.modules)\n"
-        "import rlengine.client\n"
+        "import rlengine.sandbox_client\n"
         "new = set(sys.modules) - before\n"
         "extra = sorted({m.split('.')[0] for m in new} - set(sys.stdlib_module_names) - {'rlengine'})\n"
         "ours = sorted(m for m in sys.modules if m.startswith('rlengine'))\n"
         "assert not extra, extra\n"
-        "assert ours == ['rlengine', 'rlengine.client', 'rlengine.errors', 'rlengine.protocol'], ours\n"
+        "assert ours == ['rlengine', 'rlengine.errors', 'rlengine.protocol', 'rlengine.sandbox_client'], ours\n"
         "assert 'numpy' not in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
@@ -158,10 +158,10 @@ def test_client_imports_only_msgspec_and_the_standard_library():
 
 def test_no_pickle_on_the_wire():
     """No wire module imports a serializer that can run code on load."""
-    import rlengine.client
+    import rlengine.sandbox_client
     import rlengine.serve
 
-    files = [p.__file__, rlengine.client.__file__]
+    files = [p.__file__, rlengine.sandbox_client.__file__]
     serve_dir = os.path.dirname(rlengine.serve.__file__)
     files += [os.path.join(serve_dir, f) for f in os.listdir(serve_dir) if f.endswith(".py")]
     banned = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle"}

@@ -18,11 +18,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rlengine.backends.base import Backend, BackendRequest, Capabilities, RequestOutput
-from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from rlengine.core.config import EngineConfig
 
 __all__ = ["Backend", "BackendRequest", "BackendSpec", "Capabilities", "RequestOutput", "SPECS", "available",
            "load", "resolve_backend"]
@@ -38,10 +40,10 @@ class BackendSpec(NamedTuple):
 
 SPECS: dict[str, BackendSpec] = {
     "sim": BackendSpec((), None, "rlengine.backends.sim:build", "rlengine.trainer.sim:build"),
-    "torch": BackendSpec(("torch", "transformers"), "rlengine.models:prepare", "rlengine.backends.torch_backend:build",
-                         "rlengine.trainer.torch_trainer:build"),
+    "torch": BackendSpec(("torch", "transformers"), "rlengine.backends.torch.models:prepare",
+                         "rlengine.backends.torch.backend:build", "rlengine.trainer.torch_trainer:build"),
     # vLLM samples; the torch trainer trains (the same model directory).
-    "vllm": BackendSpec(("vllm", "torch", "transformers"), "rlengine.models:prepare",
+    "vllm": BackendSpec(("vllm", "torch", "transformers"), "rlengine.backends.torch.models:prepare",
                         "rlengine.backends.vllm_backend:build", "rlengine.trainer.torch_trainer:build"),
 }
 # backend="auto" takes the first usable of these, in this order.

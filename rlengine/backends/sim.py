@@ -24,13 +24,15 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
-from rlengine.config import SimConfig
+
+if TYPE_CHECKING:
+    from rlengine.core.config import SimConfig
 
 __all__ = ["SimBackend", "decode_sim_token"]
 
@@ -125,8 +127,8 @@ class SimBackend:
 
     name = "sim"
 
-    def __init__(self, config: SimConfig | None = None) -> None:
-        self.config = cfg = config or SimConfig()
+    def __init__(self, config: SimConfig) -> None:
+        self.config = cfg = config
         self.capabilities = Capabilities(
             sleep=cfg.sleep_supported, prompt_logprobs=True, stop_strings=True, weight_install=True,
             why_not_sleep="" if cfg.sleep_supported else "disabled by SimConfig.sleep_supported=False")

@@ -91,6 +91,12 @@ class VLLMBackend:
         with _live_lock:
             _live.add(id(self))
 
+    @property
+    def llm_engine(self) -> Any:
+        """The ``vllm.LLMEngine`` this backend steps (compute thread only), for measurements
+        that drive it directly beside the backend."""
+        return self._engine
+
     def add_request(self, request: BackendRequest) -> None:
         p = request.params
         stop_strings = list(p.stop_strings)

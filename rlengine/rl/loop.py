@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlengine.engine import Engine
+from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng

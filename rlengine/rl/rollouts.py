@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from rlengine.clients import SamplingClient
+from rlengine.core.clients import SamplingClient
 from rlengine.errors import EngineDeadError, RequestError
 from rlengine.rl.errors import InvalidReward
 from rlengine.rl.types import (

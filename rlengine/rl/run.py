@@ -30,8 +30,8 @@ from typing import Any
 
 import msgspec
 
-from rlengine.config import EngineConfig
-from rlengine.engine import Engine
+from rlengine.core.config import EngineConfig
+from rlengine.core.engine import Engine, new_event_loop
 from rlengine.errors import ConfigurationError
 from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
 from rlengine.rl.config import RESUME_MUTABLE, TrainConfig, convert
@@ -116,14 +116,6 @@ def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
                                    max_num_seqs=max(base.max_num_seqs, in_flight))
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume: bool = False,
           on_step: Callable[[dict[str, Any]], None] | None = None,
           on_eval: Callable[[dict[str, Any]], None] | None = None,
@@ -195,7 +187,7 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
                 loop.remove_signal_handler(sig)
 
     try:
-        with asyncio.Runner(loop_factory=_new_loop) as runner:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(main())
     except Exception as exc:  # noqa: BLE001 - returned to the caller with its stage note
         outcome.error = exc

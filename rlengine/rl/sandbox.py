@@ -2,7 +2,7 @@
 
 The training process runs the engine and its IPC server (``rlengine.serve``);
 environments run as agents in other processes, which sample through the
-server with ``rlengine.client`` and send their reward there. The trainer
+server with ``rlengine.sandbox_client`` and send their reward there. The trainer
 never re-tokenizes anything: it trains on the session's trace, the exact
 tokens, logprobs and policy versions the server stored.
 
@@ -279,7 +279,7 @@ def worker_main(play: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 async def _serve_jobs(socket_path: str, play: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
-    from rlengine.client import AsyncClient
+    from rlengine.sandbox_client import AsyncClient
 
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()

@@ -12,7 +12,7 @@ Shaped like the Tinker cookbook's, so its users feel at home:
   attempt failed instead of ending the run.
 * ``AgentEnv`` - an episode the environment drives itself, typically an
   agent in a sandbox process that samples through the engine's IPC server
-  (``rlengine.client``) and sends its reward there: ``run`` returns the
+  (``rlengine.sandbox_client``) and sends its reward there: ``run`` returns the
   ``Trajectory``, built from the session's exact trace (see
   ``rlengine.rl.sandbox``). Its exceptions fail the attempt, as ``Env``'s do.
 * ``EnvGroupBuilder`` - makes the ``group_size`` environments of one group

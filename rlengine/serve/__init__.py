@@ -6,13 +6,12 @@ One role per module:
 * ``ipc``      - the unix-socket server (frames of ``rlengine.protocol`` messages);
 * ``http``     - the OpenAI-compatible HTTP server (aiohttp, on the same loop);
 * ``sessions`` - sessions, tokens, exact trace capture, turns through the gate;
-* ``render``   - chat templates: only the new suffix of a conversation is tokenized;
 * ``router``   - session affinity over replicas, tombstones of retired sessions;
 * ``errors``   - exceptions -> wire codes and HTTP statuses;
 * ``cli``      - ``rlengine serve [key=value ...]``.
 
 Names load on first use, so importing this package pulls in neither the
-engine nor aiohttp. Sandboxes import ``rlengine.client``, never this package.
+engine nor aiohttp. Sandboxes import ``rlengine.sandbox_client``, never this package.
 """
 
 from typing import Any

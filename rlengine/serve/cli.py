@@ -59,7 +59,7 @@ def _value(raw: str) -> Any:
 
 def parse_settings(words: list[str]) -> tuple[Any, Any, int]:
     """``(EngineConfig, ServeConfig, replicas)`` from ``key=value`` words (``tinker.*`` ignored here)."""
-    from rlengine.config import EngineConfig
+    from rlengine.core.config import EngineConfig
     from rlengine.serve.server import ServeConfig
 
     engine_fields = set(EngineConfig.__struct_fields__)
@@ -120,7 +120,7 @@ def tinker_settings(words: list[str]) -> Any:
 
 
 async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any = None) -> int:
-    from rlengine.engine import Engine
+    from rlengine.core.engine import Engine
     from rlengine.serve.server import Server
 
     loop = asyncio.get_running_loop()
@@ -173,9 +173,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigurationError as exc:
         print(f"rlengine serve: {exc}", file=sys.stderr)
         return 2
-    from rlengine.engine import _new_loop
+    from rlengine.core.engine import new_event_loop
 
-    loop = _new_loop()
+    loop = new_event_loop()
     try:
         return loop.run_until_complete(_serve(engine_cfg, serve_cfg, replicas, tinker_cfg))
     except ConfigurationError as exc:

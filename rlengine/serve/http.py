@@ -42,8 +42,8 @@ from aiohttp import web
 
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import BadMessage, Choice, InvalidValue, SessionForbidden, Unsupported
+from rlengine.render import TextStream
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
-from rlengine.serve.render import TextStream
 from rlengine.serve.sessions import Session, SessionManager, TurnResult
 from rlengine.types import SamplingParams
 

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from rlengine.errors import ConfigurationError
-from rlengine.futures import RequestFuture
+from rlengine.core.futures import RequestFuture
 from rlengine.protocol import (
     HEADER,
     Ack,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from rlengine.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from rlengine.engine import Engine
+    from rlengine.core.engine import Engine
 
 __all__ = ["SessionRouter"]
 

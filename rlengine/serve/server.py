@@ -30,12 +30,12 @@ from typing import Any
 
 import msgspec
 
-from rlengine.engine import Engine
+from rlengine.core.engine import Engine
+from rlengine.core.futures import RequestFuture
 from rlengine.errors import ConfigurationError, RLEngineError
-from rlengine.futures import RequestFuture
 from rlengine.protocol import DEFAULT_MAX_FRAME
+from rlengine.render import ByteRenderer, ChatRenderer, TemplateRenderer
 from rlengine.serve.ipc import IpcServer
-from rlengine.serve.render import ByteRenderer, ChatRenderer, TemplateRenderer
 from rlengine.serve.router import SessionRouter
 from rlengine.serve.sessions import SessionManager
 from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore

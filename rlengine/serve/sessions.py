@@ -10,7 +10,7 @@ gate and runs on the new version, every sampled token recording its version.
 
 Trace capture is exact. The prompt of turn k is the stored token path of the
 conversation so far (every earlier prompt and the exact sampled completion
-tokens) plus only the newly rendered suffix (``rlengine.serve.render``):
+tokens) plus only the newly rendered suffix (``rlengine.render``):
 earlier assistant text is never re-tokenized. Chat sessions index their
 stored positions by a hash chain over the messages before them (``Boundary``
 per message prefix), so a client that resends its history is matched
@@ -45,8 +45,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest
-from rlengine.futures import RequestFuture
 from rlengine.protocol import (
     Choice,
     SessionExists,
@@ -56,7 +56,7 @@ from rlengine.protocol import (
     TurnAborted,
     Unsupported,
 )
-from rlengine.serve.render import Boundary, ChatRenderer, assistant_tail, normalize_messages, suffix_text
+from rlengine.render import Boundary, ChatRenderer, assistant_tail, normalize_messages, suffix_text
 from rlengine.serve.router import SessionRouter
 from rlengine.trace import TraceStore, Trajectory
 from rlengine.types import ModelInput, SampleResponse, SamplingParams

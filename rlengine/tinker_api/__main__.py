@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from rlengine.config import EngineConfig
-    from rlengine.engine import Engine
+    from rlengine.core.config import EngineConfig
+    from rlengine.core.engine import Engine
     from rlengine.tinker_api.config import TinkerServerConfig
     from rlengine.tinker_api.server import start_async
 
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # One intra-op thread unless told otherwise (measured 15-30x faster on small CPUs).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from rlengine.engine import _new_loop
+    from rlengine.core.engine import new_event_loop
 
-    loop = _new_loop()
+    loop = new_event_loop()
     try:
         return loop.run_until_complete(_serve(args))
     except ConfigurationError as exc:

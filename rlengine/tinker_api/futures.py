@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-from rlengine.futures import RequestFuture
+from rlengine.core.futures import RequestFuture
 from rlengine.tinker_api.errors import Forbidden, Gone, Overloaded, UnknownResource
 
 __all__ = ["CompletionLog", "FutureEntry", "FuturesTable", "wait_settled"]

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from rlengine.engine import Engine
+from rlengine.core.engine import Engine
+from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest, ModelNotLoaded, RequestAborted
-from rlengine.futures import RequestFuture
 from rlengine.tinker_api.errors import Gone
 from rlengine.tinker_api.futures import CompletionLog
 from rlengine.types import ModelInput, SampleResponse, SamplingParams

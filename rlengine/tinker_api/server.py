@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rlengine.engine import Engine
+from rlengine.core.engine import Engine
 from rlengine.errors import InvalidRequest, RLEngineError
 from rlengine.tinker_api import wire
 from rlengine.tinker_api.config import TinkerServerConfig

@@ -32,9 +32,9 @@ from typing import Any
 
 import msgspec
 
-from rlengine.engine import Engine
+from rlengine.core.engine import Engine
+from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest
-from rlengine.futures import RequestFuture
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api import wire
 from rlengine.tinker_api.config import TinkerServerConfig
@@ -110,7 +110,7 @@ class TinkerService:
     """The Tinker API over one engine; see the module docstring. Loop thread only."""
 
     def __init__(self, engine: Engine, config: TinkerServerConfig) -> None:
-        from rlengine.models import cache_root
+        from rlengine.backends.torch.models import cache_root
 
         self.engine = engine
         self.config = config

@@ -2,7 +2,7 @@
 
 ``TraceStore`` keeps every session's conversation as the token ids the model
 saw and sampled (with logprobs and policy versions) in the token trie of
-``rlengine.trie``, and exports one ``Trajectory`` per branch for training.
+``rlengine.trace.trie``, and exports one ``Trajectory`` per branch for training.
 See ``rlengine.trace.store`` for the contract.
 
 The store's names load on first use (PEP 562): the compiled trie imports

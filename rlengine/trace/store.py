@@ -44,7 +44,7 @@ import numpy as np
 from rlengine.errors import InvalidRequest
 from rlengine.trace.errors import UnknownSession
 from rlengine.trace.trajectory import KINDS, Segment, SegmentKind, Trajectory
-from rlengine.trie import KIND_ENVIRONMENT, KIND_PROMPT, KIND_SAMPLED, TokenTrie
+from rlengine.trace.trie import KIND_ENVIRONMENT, KIND_PROMPT, KIND_SAMPLED, TokenTrie
 
 __all__ = ["DEFAULT_MAX_BYTES", "PrefixMatch", "TraceStore", "TurnEnd"]
 
@@ -100,7 +100,7 @@ class TraceStore:
     """Sessions of exact token traces over one token trie. Loop-thread only.
 
     ``max_bytes`` bounds the memory the trie holds (0: unbounded).
-    ``trie_class`` replaces the implementation ``rlengine.trie`` chose (the
+    ``trie_class`` replaces the implementation ``rlengine.trace.trie`` chose (the
     tests run the store over both).
     """
 

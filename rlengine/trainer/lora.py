@@ -216,7 +216,7 @@ class LoraTrainer(TorchTrainer):
 
 def build(config: Any, model_path: str | None, lora: LoraSpec) -> LoraTrainer:
     """A ``LoraTrainer`` for an engine's model, with the engine's device, dtype and batch settings."""
-    from rlengine.torch_runtime import engine_args, pick_device, torch_dtype
+    from rlengine.backends.torch.runtime import engine_args, pick_device, torch_dtype
 
     if model_path is None:
         raise ConfigurationError("LoRA training needs a model directory (model='tiny' or a local path)")

@@ -20,15 +20,17 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from rlengine.config import SimConfig
 from rlengine.errors import InvalidRequest
 from rlengine.trainer.losses import as_settings, elementwise
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
+
+if TYPE_CHECKING:
+    from rlengine.core.config import SimConfig
 
 __all__ = ["SimTrainer"]
 
@@ -38,8 +40,8 @@ class SimTrainer:
 
     name = "sim"
 
-    def __init__(self, config: SimConfig | None = None) -> None:
-        self.config = cfg = config or SimConfig()
+    def __init__(self, config: SimConfig) -> None:
+        self.config = cfg = config
         self.vocab_size = cfg.vocab_size
         self.max_len = cfg.max_model_len
         self.theta = cfg.initial_weights().astype(np.float64)

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
 from rlengine.errors import ConfigurationError, InvalidRequest
-from rlengine.torch_runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
 from rlengine.trainer.losses import as_settings, elementwise, validate_data
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 

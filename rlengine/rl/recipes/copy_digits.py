@@ -34,9 +34,9 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from rlengine.config import EngineConfig
+from rlengine.backends.torch.models import prepare_char_model
+from rlengine.core.config import EngineConfig
 from rlengine.errors import ConfigurationError
-from rlengine.models import prepare_char_model
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.recipes import Recipe, SeededBatches
 from rlengine.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StepResult

@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from rlengine.config import EngineConfig
-from rlengine.engine import Engine
+from rlengine.backends.torch.models import prepare_char_model
+from rlengine.core.config import EngineConfig
+from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
-from rlengine.models import prepare_char_model
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.recipes import Recipe, SeededBatches
 from rlengine.rl.recipes.guess_sandbox import ALPHABET
@@ -153,7 +153,7 @@ class GuessGame(Recipe):
     @contextlib.asynccontextmanager
     async def attach(self, engine: Engine, dataset: RLDataset, eval_dataset: RLDataset | None) -> AsyncIterator[None]:
         """The IPC server on the engine and the sandbox pool, for the run."""
-        from rlengine.serve.server import ServeConfig, Server
+        from rlengine.serve import ServeConfig, Server
 
         assert isinstance(dataset, GuessDataset)
         world = dataset.world

@@ -13,7 +13,7 @@ A job with ``"crash_at_turn": k`` makes the process exit abruptly before
 turn ``k`` (fault injection: the trainer must fail that attempt, replace
 the sandbox and go on).
 
-It talks to the trainer only through the IPC client (``rlengine.client``)
+It talks to the trainer only through the IPC client (``rlengine.sandbox_client``)
 and its job lines, as a sandbox on another machine would; it imports no
 torch and no engine.
 """

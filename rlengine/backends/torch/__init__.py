@@ -1,0 +1,13 @@
+"""The PyTorch backend and the model code that goes with it.
+
+* ``backend``  - ``TorchBackend``: continuous batching on the compute thread;
+* ``decoder``  - batched prefill and decode over an HF causal LM, with its own KV cache;
+* ``sampling`` - per-request sampling and stop detection;
+* ``runtime``  - torch threads, device, dtype and model loading (shared with
+  the torch trainer);
+* ``models``   - model directories: the locally built ``tiny`` and character
+  models, local HF directories, tokenizers (no torch at import).
+
+Importing this package imports nothing heavy; ``runtime``, ``backend``,
+``decoder`` and ``sampling`` import torch.
+"""

@@ -1,0 +1,333 @@
+"""The torch backend: a local HF causal LM behind the backend protocol, continuously batched.
+
+Iteration-level scheduling, as vLLM does it:
+
+* ``add_request`` only queues; a request joins the running batch at the next
+  step boundary (FIFO, at most ``EngineConfig.max_num_seqs`` running; the
+  rest wait), where its prompt is prefilled together with the other joiners
+  and its first token sampled in that same step.
+* every step decodes one token for all running sequences in one batch
+  (``DecoderRunner.decode``), each at its own length;
+* a sequence leaves the batch in the step it finishes (a stop token, the
+  model's eos, a stop string, or ``max_tokens``), freeing its slot at once.
+
+A streaming request (``BackendRequest.stream``) reports its new token every
+step; a non-streaming one reports once, when it finishes, with all its
+tokens. Sampling is per request (``sampling``): temperature (0 = greedy),
+top-k, top-p and a per-request ``torch.Generator`` seeded with the request's
+seed. The logprob of each token is the raw ``log_softmax``, what the trainer
+computes. Stop tokens are included in the output, as in vLLM and Tinker;
+stop strings end generation at the token that completes them.
+
+``load_weights`` copies named tensors into the backend's own model copy
+(validated completely before the first copy, so a bad install leaves the old
+weights intact). The backend cannot sleep: it frees its KV cache whenever no
+request runs, and its weights stay resident.
+
+Compute thread only; it never touches engine state (see ``backends.base``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.backends.torch.decoder import DecoderRunner
+from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
+from rlengine.backends.torch.sampling import StopText, sample_tokens
+from rlengine.errors import ConfigurationError, InvalidRequest
+
+__all__ = ["TorchBackend", "build"]
+
+
+class _Seq:
+    """One request inside the backend: its sampling settings and what it generated."""
+
+    __slots__ = ("rid", "prompt", "tokens", "logprobs", "reported", "stream", "max_tokens", "temperature", "top_k",
+                 "top_p", "generator", "stop_ids", "stop_text", "want_prompt_logprobs", "prompt_logprobs", "length")
+
+    def __init__(self, req: BackendRequest, prompt: list[int], vocab_size: int, eos: frozenset[int],
+                 tokenizer: Any) -> None:
+        p = req.params
+        self.rid = req.request_id
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.reported = 0
+        """Tokens already handed out (non-streaming requests report once, finished)."""
+        self.stream = req.stream
+        self.max_tokens = req.max_tokens
+        self.temperature = float(p.temperature)
+        self.top_k = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+        self.top_p = float(p.top_p)
+        self.generator: torch.Generator | None = None
+        if self.temperature > 0.0:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(req.seed)
+        self.stop_ids = (frozenset() if p.ignore_eos else eos) | frozenset(p.stop_token_ids)
+        self.stop_text = StopText(tokenizer, p.stop_strings) if p.stop_strings else None
+        self.want_prompt_logprobs = req.prompt_logprobs
+        self.prompt_logprobs: list[float] | None = None
+        """Computed at prefill; handed out with the first output."""
+        self.length = 0
+        """Tokens of this sequence held in its KV cache slot."""
+
+
+class TorchBackend:
+    """Continuous-batching PyTorch backend; see the module docstring."""
+
+    name = "torch"
+
+    def __init__(self, model_path: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 prefill_tokens: int = 8192) -> None:
+        self.threads = configure_threads()
+        self.device = device or torch.device("cpu")
+        self.dtype = dtype
+        self.model_path = model_path
+        model = load_causal_lm(model_path, self.device, dtype)
+        model.eval().requires_grad_(False)
+        self.model = model
+        hf = model.config
+        self.vocab_size = int(hf.vocab_size)
+        limit = int(getattr(hf, "max_position_embeddings", 0) or 0) or None
+        if max_model_len is not None and limit is not None and max_model_len > limit:
+            raise ConfigurationError(f"max_model_len={max_model_len}: exceeds the model's "
+                                     f"max_position_embeddings {limit}")
+        if max_model_len is None and limit is None:
+            raise ConfigurationError(f"model={model_path!r}: the config has no max_position_embeddings; "
+                                     "set max_model_len")
+        self.max_model_len = int(max_model_len or limit)  # type: ignore[arg-type]
+        self.max_num_seqs = max_num_seqs
+        self.prefill_tokens = prefill_tokens
+        self.eos_ids = self._eos_ids(model)
+        self.tokenizer = self._load_tokenizer(model_path)
+        self.runner = DecoderRunner(model, self.max_model_len)
+        why = ("CPU: there is no accelerator memory to release" if self.device.type == "cpu" else
+               "the torch backend frees its KV cache whenever no request runs; weights stay resident")
+        self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
+                                         weight_install=True, why_not_sleep=why)
+        # Every name a weight install may use (tied aliases included) and the
+        # canonical parameter each one lands in.
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._canonical = {id(p): name for name, p in model.named_parameters()}
+        self.version = 0
+        self.steps = 0
+        self._waiting: OrderedDict[str, _Seq] = OrderedDict()
+        self._running: list[_Seq] = []
+        """Running sequences; ``_running[i]`` owns KV cache slot ``i``."""
+        self._active: set[str] = set()
+        """Ids of every waiting or running request."""
+
+    @staticmethod
+    def _eos_ids(model: Any) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (model.config, getattr(model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    @staticmethod
+    def _load_tokenizer(model_path: str) -> Any:
+        if not any(os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        from rlengine.backends.torch.models import load_tokenizer
+
+        return load_tokenizer(model_path)
+
+    # -- the protocol ---------------------------------------------------------------
+
+    def add_request(self, request: BackendRequest) -> None:
+        rid = request.request_id
+        if rid in self._active:
+            raise InvalidRequest("request_id", rid, "already in the torch backend")
+        prompt = np.frombuffer(request.prompt, dtype=np.int32)
+        n = prompt.shape[0]
+        if n == 0:
+            raise InvalidRequest("prompt", "[]", "must hold at least one token")
+        top = int(prompt.max())
+        if top >= self.vocab_size or int(prompt.min()) < 0:
+            raise InvalidRequest("prompt", top, f"token ids must be in [0, {self.vocab_size})")
+        if request.max_tokens < 1 or n + request.max_tokens > self.max_model_len:
+            raise InvalidRequest("max_tokens", request.max_tokens,
+                                 f"prompt of {n} tokens + max_tokens exceeds max_model_len {self.max_model_len}")
+        if request.params.stop_strings and self.tokenizer is None:
+            raise InvalidRequest("sampling_params.stop", request.params.stop, "the model directory has no tokenizer")
+        self._waiting[rid] = _Seq(request, prompt.tolist(), self.vocab_size, self.eos_ids, self.tokenizer)
+        self._active.add(rid)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        ids = set(request_ids)
+        for rid in ids:
+            if self._waiting.pop(rid, None) is not None:
+                self._active.discard(rid)
+        gone = [i for i, s in enumerate(self._running) if s.rid in ids]
+        if gone:
+            # The cache holds inference tensors: moving slots needs inference mode.
+            with torch.inference_mode():
+                self._free_slots(gone)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def step(self) -> list[RequestOutput]:
+        with torch.inference_mode():
+            outputs: list[RequestOutput] = []
+            finished: list[int] = []
+            running = self._running
+            if running:
+                tokens = torch.as_tensor([s.tokens[-1] for s in running], device=self.device)
+                lengths = [s.length for s in running]
+                logits = self.runner.decode(tokens, torch.as_tensor(lengths, device=self.device), max(lengths))
+                for s in running:
+                    s.length += 1
+                self._emit(running, 0, logits, [None] * len(running), outputs, finished)
+            joiners = self._admit()
+            if joiners:
+                first = len(running)
+                running.extend(joiners)
+                logits, prompt_lps = self.runner.prefill([s.prompt for s in joiners], first,
+                                                         [s.want_prompt_logprobs for s in joiners])
+                for s in joiners:
+                    s.length = len(s.prompt)
+                self._emit(joiners, first, logits, prompt_lps, outputs, finished)
+            self._free_slots(finished)
+            self.steps += 1
+        return outputs
+
+    def _admit(self) -> list[_Seq]:
+        """FIFO joiners for this step, within the batch cap and the prefill token budget."""
+        joiners: list[_Seq] = []
+        longest = 0
+        while self._waiting and len(self._running) + len(joiners) < self.max_num_seqs:
+            seq = next(iter(self._waiting.values()))
+            longest_if = max(longest, len(seq.prompt))
+            # Prefill pads every prompt to the longest one.
+            if joiners and longest_if * (len(joiners) + 1) > self.prefill_tokens:
+                break
+            self._waiting.popitem(last=False)
+            joiners.append(seq)
+            longest = longest_if
+        return joiners
+
+    def _emit(self, seqs: list[_Seq], first_slot: int, logits: torch.Tensor,
+              prompt_lps: list[list[float] | None], outputs: list[RequestOutput], finished: list[int]) -> None:
+        """Sample one token per sequence, record it, and decide who finishes."""
+        device = logits.device
+        generators = [s.generator for s in seqs]
+        if any(g is not None for g in generators):
+            tokens, logprobs = sample_tokens(
+                logits, generators, temperature=torch.as_tensor([s.temperature or 1.0 for s in seqs], device=device),
+                top_k=torch.as_tensor([s.top_k for s in seqs], device=device),
+                top_p=torch.as_tensor([s.top_p for s in seqs], device=device))
+        else:
+            tokens, logprobs = sample_tokens(logits, generators)
+        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            if prompt_lps[i] is not None:
+                seq.prompt_logprobs = prompt_lps[i]
+            # A NaN or +inf anywhere in a row makes its log_softmax, hence this
+            # logprob, non-finite: one check per token instead of a pass over the vocab.
+            if not math.isfinite(logprob):
+                out = self._report(seq)
+                out.finished = True
+                out.error = f"non-finite logits at generated token {len(seq.tokens)} (the weights hold NaN or inf)"
+                outputs.append(out)
+                finished.append(first_slot + i)
+                continue
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            stop = token in seq.stop_ids or (seq.stop_text is not None and seq.stop_text.feed(seq.tokens))
+            done = stop or len(seq.tokens) >= seq.max_tokens
+            if done or seq.stream:
+                out = self._report(seq)
+                if done:
+                    out.finished = True
+                    out.stop_reason = "stop" if stop else "length"
+                    finished.append(first_slot + i)
+                outputs.append(out)
+
+    @staticmethod
+    def _report(seq: _Seq) -> RequestOutput:
+        """An output with the tokens not yet reported (and the prompt logprobs, once)."""
+        start, seq.reported = seq.reported, len(seq.tokens)
+        out = RequestOutput(seq.rid, seq.tokens[start:], seq.logprobs[start:], prompt_logprobs=seq.prompt_logprobs)
+        seq.prompt_logprobs = None
+        return out
+
+    def _free_slots(self, slots: list[int]) -> None:
+        """Remove the sequences in ``slots``; the last live slot moves into each hole."""
+        running = self._running
+        for slot in sorted(slots, reverse=True):
+            self._active.discard(running[slot].rid)
+            last = len(running) - 1
+            if slot != last:
+                moved = running[last]
+                self.runner.cache.move(last, slot, moved.length)
+                running[slot] = moved
+            running.pop()
+        if not running:
+            self.runner.cache.release()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Install a full set of weights (every parameter, by its HF name) as ``version``."""
+        staged: list[tuple[torch.nn.Parameter, Any]] = []
+        covered: set[str] = set()
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise ValueError(f"torch backend: load_weights got unknown tensor {name!r}")
+            if isinstance(tensor, np.ndarray):
+                tensor = torch.tensor(tensor)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"torch backend: load_weights {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            staged.append((param, tensor))
+            covered.add(self._canonical[id(param)])
+        missing = sorted(set(self._canonical.values()) - covered)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"torch backend: load_weights is missing {len(missing)} tensor(s): {shown}")
+        with torch.no_grad():
+            for param, tensor in staged:
+                param.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.version = version
+
+    def sleep(self, level: int = 1) -> None:
+        raise RuntimeError(f"torch backend: sleep is not supported ({self.capabilities.why_not_sleep})")
+
+    def wake_up(self) -> None:
+        """Nothing to restore: the backend never sleeps."""
+
+    def close(self) -> None:
+        self._waiting.clear()
+        self._running.clear()
+        self._active.clear()
+        self.runner.cache.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "threads": self.threads, "running": len(self._running), "waiting": len(self._waiting),
+                "kv_cache_bytes": self.runner.cache.nbytes, "version": self.version}
+
+
+def build(config: Any, model_path: str | None) -> TorchBackend:
+    """Registry entry point (``rlengine.backends.SPECS``); runs on the compute thread."""
+    if model_path is None:
+        raise ConfigurationError("backend='torch' needs a model directory (model='tiny' or a local path)")
+    args = engine_args(config)
+    return TorchBackend(model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                        dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"])

@@ -1,0 +1,20 @@
+"""rlengine.core: the engine, its sampler loop, admission and the request gate.
+
+One role per module, each the single owner of its per-request records:
+
+* ``engine``    - ``Engine``: lifecycle, the thread-safe hand-in, the one
+  validated submission path (``Engine.sample``); it talks to the sampler only;
+* ``sampler``   - ``SamplerLoop``: owns every request from submission to
+  settlement (the queued and in-flight records, their sequences, their
+  futures), steps the backend on the compute thread;
+* ``scheduler`` - ``Scheduler``: the FIFO's admission rule and the lease
+  ledger (the request gate); it owns every ``Lease``;
+* ``compute``   - the one compute thread (data plane);
+* ``futures``   - ``RequestFuture``, what a caller holds per request;
+* ``config``    - ``EngineConfig`` and ``SimConfig``;
+* ``clients``   - the in-process Tinker-style clients (``SamplingClient``,
+  ``TrainingClient``), thin wrappers over ``Engine``.
+
+Nothing here imports torch, transformers or vLLM at module level: backends
+and trainers load through the registry (``rlengine.backends``) when used.
+"""

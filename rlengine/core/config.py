@@ -1,0 +1,130 @@
+"""Engine configuration: ``EngineConfig`` and the sim backend's ``SimConfig``.
+
+Plain msgspec Structs, validated on construction; a bad value raises
+``ConfigurationError`` naming the field. The environment variables that change
+the engine's own behaviour are read here; those of one backend or extension
+are read where they apply (``RLENGINE_TORCH_THREADS`` in ``backends.torch.runtime``,
+``RLENGINE_CACHE`` in ``models``, ``RLENGINE_NO_EXTENSIONS`` in ``trie``,
+``VLLM_*`` in ``backends.vllm_backend``); the README lists them all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from rlengine.errors import ConfigurationError
+
+__all__ = ["EngineConfig", "SimConfig", "continuous_sampling_from_env"]
+
+
+def continuous_sampling_from_env() -> bool:
+    """``RLENGINE_CONTINUOUS_SAMPLING=0`` restores serial batch-wave sampling."""
+    raw = os.environ.get("RLENGINE_CONTINUOUS_SAMPLING", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"RLENGINE_CONTINUOUS_SAMPLING={raw!r}: must be 0 or 1")
+
+
+def _positive(name: str, value: object, *, integer: bool = False, zero_ok: bool = False) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or math.isnan(value) or math.isinf(value) \
+            or value < 0 or (value == 0 and not zero_ok):
+        kind = "an integer" if integer else "a finite number"
+        raise ConfigurationError(f"{name}={value!r}: must be {kind} {'>= 0' if zero_ok else '> 0'}")
+
+
+class SimConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """The deterministic simulated backend (control-plane tests and benchmarks).
+
+    Generation length per request is ``gen_len`` (``fixed``) or drawn from a
+    lognormal with median ``gen_len`` and ``gen_len_sigma`` (``lognormal``),
+    seeded by the request's seed, capped by ``max_tokens``. A step costs
+    ``step_time_s + token_time_s * batch`` seconds of simulated time (slept,
+    GIL released), zero by default.
+    """
+
+    vocab_size: int = 256
+    max_model_len: int = 4096
+    gen_len: int = 16
+    gen_len_dist: Literal["fixed", "lognormal"] = "fixed"
+    gen_len_sigma: float = 1.0
+    step_time_s: float = 0.0
+    token_time_s: float = 0.0
+    max_num_seqs: int = 1024
+    seed: int = 0
+    sleep_supported: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("sim.vocab_size", self.vocab_size, integer=True)
+        _positive("sim.max_model_len", self.max_model_len, integer=True)
+        _positive("sim.gen_len", self.gen_len, integer=True)
+        _positive("sim.gen_len_sigma", self.gen_len_sigma, zero_ok=True)
+        _positive("sim.step_time_s", self.step_time_s, zero_ok=True)
+        _positive("sim.token_time_s", self.token_time_s, zero_ok=True)
+        _positive("sim.max_num_seqs", self.max_num_seqs, integer=True)
+        if self.gen_len_dist not in ("fixed", "lognormal"):
+            raise ConfigurationError(f"sim.gen_len_dist={self.gen_len_dist!r}: must be 'fixed' or 'lognormal'")
+
+    def initial_weights(self) -> np.ndarray:
+        """The sim model's one weight tensor ``theta`` (unigram logits), shared by
+        the sim backend and the sim trainer so that both start identical."""
+        return np.random.default_rng(self.seed).normal(0.0, 1.0, self.vocab_size).astype(np.float32)
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How to build an ``Engine``.
+
+    ``backend``: ``auto`` picks the best model backend available; ``sim`` is
+    the deterministic simulator. ``drain_policy``: before blocking work,
+    ``wait`` lets in-flight samples finish; ``pause`` aborts them, keeps
+    their tokens and continues them afterwards on the new weights.
+    ``continuous_sampling`` None reads ``RLENGINE_CONTINUOUS_SAMPLING``.
+    """
+
+    model: str = "tiny"
+    model_name: str | None = None
+    backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
+    drain_policy: Literal["wait", "pause"] = "wait"
+    drain_timeout_s: float = 600.0
+    continuous_sampling: bool | None = None
+    seed: int = 0
+    close_timeout_s: float = 30.0
+    max_num_seqs: int = 256
+    """Most sequences a model backend runs in one batch."""
+    max_model_len: int | None = None
+    """Context length; None takes the model's own."""
+    dtype: str = "float32"
+    cache_dir: str | None = None
+    """Where ``model="tiny"`` is built once; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
+    engine_args: dict[str, object] = msgspec.field(default_factory=dict)
+    """Passed through to the model backend (e.g. vLLM's ``tensor_parallel_size``)."""
+    sim: SimConfig = msgspec.field(default_factory=SimConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "sim", "torch", "vllm"):
+            raise ConfigurationError(f"backend={self.backend!r}: must be auto, sim, torch or vllm")
+        if self.drain_policy not in ("wait", "pause"):
+            raise ConfigurationError(f"drain_policy={self.drain_policy!r}: must be 'wait' or 'pause'")
+        _positive("drain_timeout_s", self.drain_timeout_s)
+        _positive("close_timeout_s", self.close_timeout_s)
+        _positive("max_num_seqs", self.max_num_seqs, integer=True)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len, integer=True)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigurationError(f"dtype={self.dtype!r}: must be float32, bfloat16 or float16")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigurationError(f"seed={self.seed!r}: must be an integer")
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigurationError(f"model={self.model!r}: must be 'tiny' or a local model directory")
+
+    def resolved_continuous(self) -> bool:
+        if self.continuous_sampling is None:
+            return continuous_sampling_from_env()
+        return self.continuous_sampling

@@ -1,0 +1,128 @@
+"""``rlengine serve`` (rlengine.serve.cli) as a real subprocess: addresses, serving, clean stops.
+
+The server runs as ``python -m rlengine.serve.cli key=value ...``; sandboxes
+reach it over its printed socket and URL; SIGINT and SIGTERM stop it with
+turns in flight settled (their clients get ``aborted``) and the socket file
+removed. Settings are also parsed in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from serving import REPO, WAIT
+
+from rlengine import protocol as p
+from rlengine.errors import ConfigurationError
+from rlengine.sandbox_client import Client
+from rlengine.serve.cli import parse_settings
+
+
+def start(*settings: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlengine.serve.cli", *settings], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    addresses: dict[str, str] = {}
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"rlengine serve exited early: {proc.wait(5)} {proc.stderr.read()}")
+        key, _, value = line.strip().partition(": ")
+        addresses[key] = value
+        if key == "ready":
+            return proc, addresses
+    proc.kill()
+    raise AssertionError("rlengine serve did not become ready")
+
+
+def stop(proc: subprocess.Popen[str], sig: int) -> tuple[int, str]:
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out + err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_prints_addresses_serves_and_stops_cleanly(sig):
+    proc, addresses = start("backend=sim", "sim.step_time_s=0.001", "sim.gen_len=100000", "replicas=2",
+                            "grace_s=0.2")
+    path, url = addresses["ipc"], addresses["http"]
+    errors: list[BaseException] = []
+
+    def long_turn():
+        try:
+            with Client(path, timeout=WAIT) as c:
+                c.open_session().generate([1, 2], max_tokens=100_000)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    try:
+        assert os.path.exists(path)
+        with Client(path, timeout=WAIT) as c:
+            assert c.ping(b"x") == b"x"
+            assert len(c.open_session().generate([3], max_tokens=4).choices[0].tokens) == 4
+        with urllib.request.urlopen(url + "/models", timeout=WAIT) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == "tiny"
+        thread = threading.Thread(target=long_turn)
+        thread.start()
+        time.sleep(0.3)
+    finally:
+        rc, output = stop(proc, sig)
+    thread.join(WAIT)
+    assert rc == 0, output
+    assert "stopped" in output
+    assert len(errors) == 1 and isinstance(errors[0], p.TurnAborted), errors  # settled, not left hanging
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+
+
+def test_bad_settings_exit_2_with_the_reason():
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run([sys.executable, "-m", "rlengine.serve.cli", "backend=sim", "bogus=1"], check=False,
+                            capture_output=True, text=True, timeout=WAIT, env=env, cwd=REPO)
+    assert result.returncode == 2 and "bogus" in result.stderr
+
+
+def test_settings_parse_into_engine_and_serve_configs():
+    engine, serve, replicas = parse_settings(["backend=sim", "sim.gen_len=7", "drain_policy=pause", "port=0",
+                                              "http=false", "api_key=abc", "replicas=3", "socket_path=/x/y.sock"])
+    assert (engine.backend, engine.sim.gen_len, engine.drain_policy) == ("sim", 7, "pause")
+    assert (serve.http, serve.api_key, serve.socket_path, replicas) == (False, "abc", "/x/y.sock", 3)
+    for bad in (["replicas=0"], ["noequals"], ["port=-1"], ["drain_policy=sometimes"], ["sim.nope=1"]):
+        with pytest.raises(ConfigurationError):
+            parse_settings(bad)
+
+
+def test_serve_with_tinker_api_answers_healthz_and_stops():
+    proc, addresses = start("--tinker", "backend=sim", "http=false", "tinker.port=0")
+    try:
+        url = addresses["tinker"]
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(url + "/api/v1/healthz", timeout=WAIT) as resp:
+            assert resp.status == 200
+    finally:
+        code, output = stop(proc, signal.SIGTERM)
+    assert code == 0, output
+
+
+def test_tinker_settings_need_the_flag_and_known_fields():
+    from rlengine.serve.cli import tinker_settings
+
+    assert tinker_settings(["tinker.port=8123", "backend=sim"]).port == 8123
+    with pytest.raises(ConfigurationError, match="tinker.nope"):
+        tinker_settings(["tinker.nope=1"])
+    proc = subprocess.run([sys.executable, "-m", "rlengine.serve.cli", "backend=sim", "tinker.port=1"],
+                          capture_output=True, text=True, timeout=WAIT, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 2 and "need --tinker" in proc.stderr

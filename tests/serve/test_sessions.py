@@ -1,0 +1,336 @@
+"""Exact trace capture and gate integration of agent sessions (rlengine.serve.sessions, render).
+
+Chat templates and tokenizers matter here, so the capture tests run on the
+torch backend with the tiny model and its ChatML template: the prompt of
+turn k is the stored path (earlier prompts + the exact sampled tokens) plus
+only the newly rendered suffix; a diverging history branches in the trie;
+re-tokenizing sampled text would give different ids, and the export keeps
+the sampled ones. Gate tests run on the sim backend (versions per token,
+installs between and during turns).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+from serving import WAIT, Served, sim_config
+
+import rlengine as rle
+from rlengine import protocol as p
+from rlengine.render import Boundary, ByteRenderer, assistant_tail, render_chat, suffix_text
+from rlengine.sandbox_client import Client
+from rlengine.serve import ServeConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_config):
+    s = Served([engine_config("torch")], ServeConfig(http=False))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny):
+    return tiny.on_loop(lambda: tiny.sessions.renderer)
+
+
+def session(served):
+    with Client(served.ipc_path, timeout=WAIT) as c:
+        s = c.open_session()
+    return s.session_id, s.token
+
+
+def export(served, sid):
+    return served.on_loop(lambda: served.sessions.store.export(sid))
+
+
+def chat(served, sid, token, messages, **params):
+    with Client(served.ipc_path, timeout=WAIT) as c:
+        return c.session(sid, token).chat(messages, **params)
+
+
+def lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def test_assistant_tail_is_the_template_closing_after_the_sampled_tokens(renderer):
+    msgs = [{"role": "user", "content": "hi"}]
+    im_end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert assistant_tail(renderer, msgs, "hello", renderer.encode("hello") + [im_end]) == "\n"
+    assert assistant_tail(renderer, msgs, "hello", renderer.encode("hello")) == "<|im_end|>\n"  # cut by length
+
+
+def test_suffix_renders_only_the_new_messages(renderer):
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    sampled_end = Boundary(handle=0, count=2, generation=False, tail="\n")
+    assert suffix_text(renderer, msgs, sampled_end) == "\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"
+    root = Boundary(handle=0, count=0, generation=False, tail="")
+    assert suffix_text(renderer, msgs, root) == renderer.render(msgs, True)
+
+
+def test_a_template_that_is_not_prefix_stable_gives_no_suffix():
+    class Reordering(ByteRenderer):
+        def render(self, messages, generation):  # renders the last message first
+            return super().render(list(reversed(messages)), generation)
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert suffix_text(Reordering(), msgs, Boundary(0, 1, False, "")) is None
+
+
+# -- exact capture (torch, tiny model) ------------------------------------------------------------
+
+
+def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(tiny, renderer):
+    sid, token = session(tiny)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    t1 = chat(tiny, sid, token, msgs, max_tokens=10, seed=1)
+    prompt1 = render_chat(renderer.tokenizer, msgs)
+    assert t1.prompt_tokens == len(prompt1)
+    sampled1 = t1.choices[0].tokens
+    msgs += [{"role": "assistant", "content": t1.choices[0].text}, {"role": "user", "content": "and then?"}]
+    t2 = chat(tiny, sid, token, msgs, max_tokens=6, seed=2)
+    tail = assistant_tail(renderer, msgs[:2], t1.choices[0].text, sampled1)
+    suffix = renderer.encode(tail + renderer.render(msgs, True)[len(renderer.render(msgs[:3], False)):])
+    expected_prompt2 = prompt1 + sampled1 + suffix
+    assert t2.prompt_tokens == len(expected_prompt2)
+    [traj] = export(tiny, sid)
+    tokens = traj.tokens.tolist()
+    assert tokens == expected_prompt2 + t2.choices[0].tokens
+    assert traj.loss_mask.tolist() == ([0] * len(prompt1) + [1] * len(sampled1) + [0] * len(suffix)
+                                       + [1] * len(t2.choices[0].tokens))
+    lps = traj.logprobs.tolist()
+    assert np.allclose(lps[len(prompt1):len(prompt1) + len(sampled1)], t1.choices[0].logprobs)
+    receipts = tiny.on_loop(lambda: [r for r in tiny.engines[0].gate.receipts if r.session_id == sid])
+    assert len(receipts) == 2 and all(r.outcome == "completed" for r in receipts)  # each turn held a lease
+
+
+def test_retokenizing_the_sampled_text_gives_other_ids_but_the_export_holds_the_sampled_ones(tiny, renderer):
+    for seed in range(40):
+        sid, token = session(tiny)
+        msgs = [{"role": "user", "content": "tell me a story"}]
+        t1 = chat(tiny, sid, token, msgs, max_tokens=16, seed=seed)
+        sampled, text = t1.choices[0].tokens, t1.choices[0].text
+        if renderer.encode(text) != sampled:
+            break
+    else:
+        pytest.fail("no sampled completion in 40 seeds re-tokenizes differently (the test needs one)")
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    t2 = chat(tiny, sid, token, msgs, max_tokens=4, seed=0)
+    prompt1 = len(render_chat(renderer.tokenizer, msgs[:1]))
+    [traj] = export(tiny, sid)
+    assert traj.tokens.tolist()[prompt1:prompt1 + len(sampled)] == sampled
+    assert traj.loss_mask.tolist()[prompt1:prompt1 + len(sampled)] == [1] * len(sampled)
+    # What a client re-rendering the whole conversation would have sent instead:
+    retokenized = render_chat(renderer.tokenizer, msgs)
+    assert retokenized != traj.tokens.tolist()[:t2.prompt_tokens]
+
+
+def test_an_edited_history_branches_at_the_divergence_point(tiny, renderer):
+    sid, token = session(tiny)
+    msgs = [{"role": "user", "content": "count to three"}]
+    t1 = chat(tiny, sid, token, msgs, max_tokens=8, seed=3)
+    prompt1 = len(render_chat(renderer.tokenizer, msgs))
+    chat(tiny, sid, token, msgs + [{"role": "assistant", "content": t1.choices[0].text},
+                                   {"role": "user", "content": "again"}], max_tokens=3, seed=4)
+    edited = msgs + [{"role": "assistant", "content": "one two three"}, {"role": "user", "content": "again"}]
+    t3 = chat(tiny, sid, token, edited, max_tokens=3, seed=5)
+    first, second = export(tiny, sid)
+    a, b = first.tokens.tolist(), second.tokens.tolist()
+    assert second.shared_prefix == lcp(a, b) >= prompt1  # the branch starts inside the assistant turn
+    assert a[:prompt1] == b[:prompt1]
+    # The edited assistant text is not sampled: it is masked out, and the new
+    # turn's sampled tokens are the only ones trained on in the branch.
+    mask = second.loss_mask.tolist()
+    assert sum(mask[second.shared_prefix:]) == len(t3.choices[0].tokens)
+    assert b[-len(t3.choices[0].tokens):] == t3.choices[0].tokens
+
+
+def test_a_truncated_history_and_n_samples_branch_from_the_stored_prompt(tiny, renderer):
+    sid, token = session(tiny)
+    msgs = [{"role": "user", "content": "pick one"}]
+    t1 = chat(tiny, sid, token, msgs, max_tokens=5, seed=6)
+    chat(tiny, sid, token, msgs + [{"role": "assistant", "content": t1.choices[0].text},
+                                   {"role": "user", "content": "why"}], max_tokens=3, seed=7)
+    retry = chat(tiny, sid, token, msgs, max_tokens=5, n=2, seed=8)  # back to the first turn, twice
+    prompt1 = len(render_chat(renderer.tokenizer, msgs))
+    assert retry.prompt_tokens == prompt1
+    trajectories = export(tiny, sid)
+    assert len(trajectories) >= 2
+    assert all(t.tokens.tolist()[:prompt1] == trajectories[0].tokens.tolist()[:prompt1] for t in trajectories)
+    for choice in retry.choices:  # each retried completion is a sampled branch right after the prompt
+        n = len(choice.tokens)
+        assert any(t.tokens.tolist()[prompt1:prompt1 + n] == choice.tokens
+                   and t.loss_mask.tolist()[prompt1:prompt1 + n] == [1] * n for t in trajectories)
+
+
+def test_generate_keeps_the_stored_prefix_and_stores_only_new_tokens(tiny):
+    sid, token = session(tiny)
+    with Client(tiny.ipc_path, timeout=WAIT) as c:
+        s = c.session(sid, token)
+        t1 = s.generate([5, 6, 7], max_tokens=4, seed=1)
+        prompt = [5, 6, 7, *t1.choices[0].tokens, 9]
+        t2 = s.generate(prompt, max_tokens=3, seed=2)
+    [traj] = export(tiny, sid)
+    assert traj.tokens.tolist() == prompt + t2.choices[0].tokens
+    assert traj.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1]
+    assert [s.kind for s in traj.segments] == ["prompt", "sampled", "environment", "sampled"]
+
+
+# -- the gate (sim) ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim():
+    s = Served([sim_config()], ServeConfig(http=False))
+    yield s
+    s.close()
+
+
+def test_a_multi_turn_agent_keeps_running_across_installs(sim):
+    sid, token = session(sim)
+    turns, errors = [], []
+
+    def agent():
+        try:
+            with Client(sim.ipc_path, timeout=WAIT) as c:
+                s = c.session(sid, token)
+                prompt = [1, 2]
+                for k in range(12):
+                    t = s.generate(prompt, max_tokens=20, seed=k)
+                    turns.append(t.choices[0])
+                    prompt = prompt + t.choices[0].tokens + [3]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    versions = []
+    while thread.is_alive() and len(versions) < 3:
+        time.sleep(0.03)
+        versions.append(sim.install(seed=len(versions) + 10))
+    thread.join(WAIT)
+    assert not errors and len(turns) == 12
+    turn_versions = [c.versions for c in turns]
+    assert all(len(set(v)) == 1 for v in turn_versions)  # drain policy "wait": one version per turn
+    firsts = [v[0] for v in turn_versions]
+    assert firsts == sorted(firsts) and len(set(firsts)) >= 2  # later turns ran on newer versions
+    [traj] = export(sim, sid)
+    mask = traj.loss_mask.tolist()
+    assert [v for v, m in zip(traj.versions.tolist(), mask) if m] == [v for tv in turn_versions for v in tv]
+
+
+def test_under_the_pause_policy_a_turn_spanning_an_install_records_both_versions():
+    s = Served([msgspec.structs.replace(sim_config(step_time_s=0.002), drain_policy="pause")], ServeConfig(http=False))
+    try:
+        sid, token = session(s)
+        box = {}
+
+        def agent():
+            with Client(s.ipc_path, timeout=WAIT) as c:
+                box["turn"] = c.session(sid, token).generate([1], max_tokens=150, seed=1)
+
+        thread = threading.Thread(target=agent)
+        thread.start()
+        time.sleep(0.1)
+        v = s.install(seed=3)
+        thread.join(WAIT)
+        versions = box["turn"].choices[0].versions
+        assert versions[0] == v - 1 and versions[-1] == v and versions == sorted(versions)
+        [traj] = export(s, sid)
+        assert traj.versions.tolist()[1:] == versions
+    finally:
+        s.close()
+
+
+def test_a_turn_waits_at_a_sealed_gate_and_runs_on_the_new_version(sim):
+    sid, token = session(sim)
+    gate_open = threading.Event()
+    engine = sim.engines[0]
+    blocker = engine.submit_blocking("forward", lambda: gate_open.wait(WAIT))  # holds the gate sealed
+    theta = np.zeros(engine.backend.vocab_size, dtype=np.float32)
+    install = engine.install_weights(lambda: [("theta", theta)])
+    box = {}
+
+    def agent():
+        with Client(sim.ipc_path, timeout=WAIT) as c:
+            box["turn"] = c.session(sid, token).generate([1], max_tokens=3)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    time.sleep(0.1)
+    assert "turn" not in box  # waiting behind the sealed gate
+    gate_open.set()
+    blocker.result(WAIT)
+    version = install.result(WAIT)
+    thread.join(WAIT)
+    assert box["turn"].choices[0].versions == [version] * 3
+
+
+def test_trace_and_reward_are_per_session(sim):
+    a, a_token = session(sim)
+    b, b_token = session(sim)
+    with Client(sim.ipc_path, timeout=WAIT) as c:
+        sa, sb = c.session(a, a_token), c.session(b, b_token)
+        with pytest.raises(p.InvalidValue, match="no turn"):
+            sa.reward(1.0)
+        sa.generate([1, 2], max_tokens=2)
+        sb.generate([7], max_tokens=3)
+        sa.reward(2.0)
+        [ta], [tb] = sa.trace(), sb.trace()
+    assert ta.tokens[:2] == [1, 2] and ta.reward == 2.0
+    assert tb.tokens[0] == 7 and tb.reward is None
+    trace = sim.on_loop(sim.sessions.collect, a)
+    assert trace.rewards == [2.0] and trace.turns == 1
+    assert a not in sim.on_loop(lambda: list(sim.sessions.store.sessions()))
+
+
+# -- the engine hooks the servers use -------------------------------------------------------------
+
+
+def test_on_tokens_streams_each_sequence_before_it_finishes(sim):
+    engine = sim.engines[0]
+    seen: list[tuple[int, int, bool]] = []
+    box = {}
+
+    def on_tokens(index, ids, lps, version):
+        seen.append((index, len(ids), box["f"].done()))
+        assert len(ids) == len(lps) and version == engine.gate.version  # runs on the loop thread
+
+    def submit():
+        box["f"] = engine.sample([1, 2], 2, rle.SamplingParams(max_tokens=5), on_tokens=on_tokens)
+
+    sim.on_loop(submit)
+    resp = box["f"].result(WAIT)
+    assert sorted(seen) == sorted([(i, 1, False) for i in range(2) for _ in range(5)])
+    assert [s.length for s in resp.sequences] == [5, 5]
+
+
+def test_abandoning_a_request_that_never_started_poisons_nothing(sim):
+    engine = sim.engines[0]
+    gate_open = threading.Event()
+    blocker = engine.submit_blocking("forward", lambda: gate_open.wait(WAIT))
+    queued = engine.sample([1], 1, rle.SamplingParams(max_tokens=3))
+    time.sleep(0.05)
+    assert engine.abandon(queued.request_id, "client gone").result(WAIT) is None
+    assert queued.result(WAIT).sequences[0].stop_reason == "abort"
+    gate_open.set()
+    blocker.result(WAIT)
+    assert sim.on_loop(engine.gate.unknown_leases) == []
+    running = engine.sample([1], 1, rle.SamplingParams(max_tokens=100_000))
+    time.sleep(0.05)
+    lease_id = engine.abandon(running.request_id, "client gone").result(WAIT)
+    assert isinstance(lease_id, int) and running.result(WAIT).sequences[0].stop_reason == "abort"
+    [lease] = sim.on_loop(engine.gate.unknown_leases)
+    assert lease.lease_id == lease_id and lease.reason == "client gone"
+    engine.write_off(lease_id).result(WAIT)
+    assert sim.on_loop(engine.gate.unknown_leases) == []

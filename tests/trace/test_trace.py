@@ -1,0 +1,244 @@
+"""Tests of the trace store (rlengine.trace): sessions, turns, branches,
+export, drop and the memory bound, each run over the compiled trie and the
+pure-Python reference.
+
+What this file must not do: reach into the trie below the store except to
+pick its implementation; the trie has its own tests (tests/test_trie.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rlengine.trace._trie as c_trie
+import rlengine.trace._trie_ref as ref_trie
+from rlengine.errors import InvalidRequest, RequestError
+from rlengine.trace import (
+    PrefixMatch,
+    Segment,
+    TraceMemoryExceeded,
+    TraceStore,
+    Trajectory,
+    TurnEnd,
+    UnknownSession,
+)
+
+IMPLS = [pytest.param(c_trie.TokenTrie, id="c"), pytest.param(ref_trie.TokenTrie, id="reference")]
+
+
+@pytest.fixture(params=IMPLS)
+def trie_class(request):
+    return request.param
+
+
+@pytest.fixture
+def store(trie_class):
+    return TraceStore(trie_class=trie_class)
+
+
+def i32(*xs) -> np.ndarray:
+    return np.array(xs, dtype=np.int32)
+
+
+def f32(*xs) -> np.ndarray:
+    return np.array(xs, dtype=np.float32)
+
+
+def test_default_store_uses_the_chosen_trie():
+    import rlengine.trace.trie
+
+    assert rlengine.trace.trie.IMPLEMENTATION == "c"
+    assert TraceStore().max_bytes == 1 << 30
+
+
+def test_multi_turn_session_exports_the_exact_trace(store):
+    prompt, s1, env, s2 = i32(1, 2, 3, 4), i32(50, 51, 52), i32(7, 8), i32(60, 61)
+    t1 = store.append_turn("s", prompt)
+    assert t1 == TurnEnd(t1.handle, 4, 0)
+    t2 = store.append_turn("s", s1, f32(-0.1, -0.2, -0.3), i32(1, 1, 1), kind="sampled", request_id="r1",
+                           parent=t1.handle)
+    t3 = store.append_turn("s", env, kind="environment", parent=t2.handle)
+    # The next prompt is the stored path, not a re-rendering.
+    np.testing.assert_array_equal(store.path_tokens("s", t3.handle), np.concatenate([prompt, s1, env]))
+    t4 = store.append_turn("s", s2, f32(-1, -2), i32(1, 2), kind="sampled", request_id="r2", parent=t3.handle)
+    assert t4.depth == 11 and store.depth("s", t4.handle) == 11
+
+    [traj] = store.export("s")
+    assert traj.session == "s" and traj.leaf == t4.handle and traj.shared_prefix == 0 and traj.length == 11
+    np.testing.assert_array_equal(traj.tokens, np.concatenate([prompt, s1, env, s2]))
+    np.testing.assert_array_equal(traj.logprobs, f32(0, 0, 0, 0, -0.1, -0.2, -0.3, 0, 0, -1, -2))
+    np.testing.assert_array_equal(traj.versions, i32(-1, -1, -1, -1, 1, 1, 1, -1, -1, 1, 2))
+    np.testing.assert_array_equal(traj.loss_mask, np.array([0] * 4 + [1] * 3 + [0] * 2 + [1] * 2, np.uint8))
+    assert traj.segments == (
+        Segment(start=0, end=4, kind="prompt"),
+        Segment(start=4, end=7, kind="sampled", request_id="r1"),
+        Segment(start=7, end=9, kind="environment"),
+        Segment(start=9, end=11, kind="sampled", request_id="r2"),
+    )
+    wire = msgspec.msgpack.encode(traj)
+    assert msgspec.msgpack.decode(wire, type=Trajectory) == traj
+
+
+def test_full_resend_reuses_what_is_stored(store, trie_class):
+    rng = np.random.default_rng(0)
+    conversation = rng.integers(0, 150_000, 1000, dtype=np.int32)
+    stepwise = TraceStore(trie_class=trie_class)
+    h = stepwise.append_turn("s", conversation).handle
+    store.append_turn("s", conversation)
+    for turn in range(1, 5):
+        new = rng.integers(0, 150_000, 50 * turn, dtype=np.int32)
+        lps = -rng.random(len(new), dtype=np.float32)
+        vers = np.full(len(new), turn, np.int32)
+        # The whole conversation again, with placeholders over the stored part.
+        full = np.concatenate([conversation, new])
+        end = store.append_turn("s", full, np.concatenate([np.zeros(len(conversation), np.float32), lps]),
+                                np.concatenate([np.full(len(conversation), -1, np.int32), vers]),
+                                kind="sampled", request_id=f"r{turn}")
+        assert end.reused == len(conversation) and end.depth == len(full)
+        h = stepwise.append_turn("s", new, lps, vers, kind="sampled", request_id=f"r{turn}", parent=h).handle
+        conversation = full
+    assert store.live_tokens == stepwise.live_tokens == len(conversation)
+    [a], [b] = store.export("s"), stepwise.export("s")
+    assert (a.tokens_raw, a.logprobs_raw, a.versions_raw, a.loss_mask_raw, a.segments) == (
+        b.tokens_raw, b.logprobs_raw, b.versions_raw, b.loss_mask_raw, b.segments)
+
+
+def test_divergent_history_branches_at_the_divergence_point(store):
+    prompt = i32(*range(100, 120))
+    t1 = store.append_turn("s", prompt)
+    t2 = store.append_turn("s", i32(5, 6, 7), f32(-1, -1, -1), i32(3, 3, 3), kind="sampled", request_id="a",
+                           parent=t1.handle)
+    t3 = store.append_turn("s", i32(9, 9), kind="environment", parent=t2.handle)
+    first = store.path_tokens("s", t3.handle).copy()
+    # The client edited the tool output: its history diverges at token 24.
+    resent = np.concatenate([first[:24], i32(4, 4, 4)])
+    match = store.longest_prefix("s", resent)
+    assert match == PrefixMatch(24, match.handle) and store.depth("s", match.handle) == 24
+    b1 = store.append_turn("s", resent[match.length:], kind="environment", parent=match.handle)
+    assert b1.reused == 0 and b1.depth == 27
+    b2 = store.append_turn("s", i32(70), f32(-0.5), i32(4), kind="sampled", request_id="b", parent=b1.handle)
+    # The old branch is intact; the new one shares the first 24 tokens, data included.
+    old, new = store.export("s")
+    assert old.leaf == t3.handle and new.leaf == b2.handle and new.shared_prefix == 24
+    np.testing.assert_array_equal(old.tokens, first)
+    for field in ("tokens", "logprobs", "versions", "loss_mask"):
+        np.testing.assert_array_equal(getattr(old, field)[:24], getattr(new, field)[:24])
+    assert new.segments[-2:] == (Segment(start=23, end=27, kind="environment"),
+                                 Segment(start=27, end=28, kind="sampled", request_id="b"))
+    # A history that differs from the first token branches at the root.
+    other = store.longest_prefix("s", i32(1, 2, 3))
+    assert other.length == 0 and other.handle == store.open("s")
+    store.append_turn("s", i32(1, 2, 3), parent=other.handle)
+    assert [t.shared_prefix for t in store.export("s")] == [0, 24, 0]
+
+
+def test_longest_prefix_from_a_parent(store):
+    t1 = store.append_turn("s", i32(1, 2, 3))
+    t2 = store.append_turn("s", i32(4, 5, 6), parent=t1.handle)
+    assert store.longest_prefix("s", i32(4, 5, 9), parent=t1.handle).length == 2
+    assert store.longest_prefix("s", i32(4, 5, 6), parent=t1.handle) == PrefixMatch(3, t2.handle)
+    assert store.longest_prefix("s", i32()) == PrefixMatch(0, store.open("s"))
+
+
+def test_drop_frees_memory_and_forgets_the_session(store, trie_class):
+    empty = TraceStore(trie_class=trie_class).memory_bytes
+    rng = np.random.default_rng(1)
+    handles = {}
+    for i in range(50):
+        end = store.append_turn(f"s{i}", rng.integers(0, 1000, 3000, dtype=np.int32))
+        handles[f"s{i}"] = store.append_turn(f"s{i}", i32(1, 2), f32(-1, -1), i32(0, 0), kind="sampled",
+                                             parent=end.handle).handle
+    assert len(store) == 50 and store.live_tokens == 50 * 3002
+    assert store.stats()["sessions"] == 50 and sorted(store.sessions()) == sorted(handles)
+    assert sum(store.drop(s) for s in list(handles)) == 50 * 3002
+    assert len(store) == 0 and store.live_tokens == 0 and store.memory_bytes == empty
+    assert "s0" not in store
+    for call in (lambda: store.export("s0"), lambda: store.drop("s0"),
+                 lambda: store.longest_prefix("s0", i32(1)), lambda: store.path_tokens("s0", handles["s0"])):
+        with pytest.raises(UnknownSession) as info:
+            call()
+        assert isinstance(info.value, LookupError) and isinstance(info.value, RequestError)
+    # Same name, new session: the old handles are dead.
+    store.append_turn("s0", i32(1))
+    with pytest.raises(InvalidRequest):
+        store.path_tokens("s0", handles["s0"])
+
+
+def test_handles_do_not_cross_sessions(store):
+    a = store.append_turn("a", i32(1, 2))
+    store.append_turn("b", i32(1, 2))
+    with pytest.raises(InvalidRequest, match="another session"):
+        store.append_turn("b", i32(3), parent=a.handle)
+    with pytest.raises(InvalidRequest, match="another session"):
+        store.path_tokens("b", a.handle)
+    with pytest.raises(UnknownSession):
+        store.append_turn("c", i32(3), parent=a.handle)
+
+
+def test_memory_bound_is_a_typed_error_and_stores_nothing(trie_class):
+    store = TraceStore(max_bytes=300_000, trie_class=trie_class)
+    rng = np.random.default_rng(2)
+    with pytest.raises(TraceMemoryExceeded) as info:
+        for i in range(100):
+            store.append_turn(f"s{i}", rng.integers(0, 1000, 2000, dtype=np.int32))
+    err = info.value
+    assert isinstance(err, MemoryError) and isinstance(err, RequestError) and err.max_bytes == 300_000
+    assert "max_bytes=300000" in str(err)
+    full = store.live_tokens
+    assert full % 2000 == 0 and store.memory_bytes <= 300_000
+    store.drop("s0")
+    store.append_turn("again", rng.integers(0, 1000, 2000, dtype=np.int32))
+    assert store.live_tokens == full and store.memory_bytes <= 300_000
+
+
+@pytest.mark.parametrize("call, error", [
+    pytest.param(lambda s: s.append_turn("s", i32(1), kind="bogus"), InvalidRequest, id="kind"),
+    pytest.param(lambda s: s.append_turn("s", i32(1), request_id=5), InvalidRequest, id="request-id"),
+    pytest.param(lambda s: s.append_turn(5, i32(1)), InvalidRequest, id="session-not-str"),
+    pytest.param(lambda s: s.append_turn("s", np.arange(3)), InvalidRequest, id="tokens-int64"),
+    pytest.param(lambda s: s.append_turn("s", i32(1, -1)), InvalidRequest, id="negative-token"),
+    pytest.param(lambda s: s.append_turn("s", i32(1), kind="sampled"), InvalidRequest, id="sampled-no-logprobs"),
+    pytest.param(lambda s: s.append_turn("s", i32(1, 2), f32(-1), i32(0, 0), kind="sampled"), InvalidRequest,
+                 id="logprobs-length"),
+    pytest.param(lambda s: s.append_turn("s", i32(1), parent=10**6), InvalidRequest, id="parent-unknown"),
+    pytest.param(lambda s: s.longest_prefix("nobody", i32(1)), UnknownSession, id="unknown-session"),
+    pytest.param(lambda s: TraceStore(max_bytes=-1), InvalidRequest, id="max-bytes"),
+])
+def test_bad_arguments(store, call, error):
+    store.append_turn("s", i32(9))
+    before = store.live_tokens
+    with pytest.raises(error):
+        call(store)
+    assert store.live_tokens == before
+
+
+CONVERSATIONS = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversations=CONVERSATIONS)
+def test_export_is_every_conversation_not_extended_by_another(trie_class, conversations):
+    """Stored by match-then-append, a session exports exactly its maximal conversations."""
+    store = TraceStore(trie_class=trie_class)
+    for conv in conversations:
+        tokens = i32(*conv)
+        match = store.longest_prefix("s", tokens) if "s" in store else PrefixMatch(0, store.open("s"))
+        end = store.append_turn("s", tokens[match.length:], parent=match.handle)
+        assert end.depth == len(conv)
+    distinct = {tuple(c) for c in conversations}
+    maximal = {c for c in distinct if not any(len(o) > len(c) and o[:len(c)] == c for o in distinct)}
+    exported = store.export("s")
+    assert sorted(tuple(t.tokens.tolist()) for t in exported) == sorted(maximal)
+    for prev, cur in itertools.pairwise(exported):
+        a, b = prev.tokens.tolist(), cur.tokens.tolist()
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert cur.shared_prefix == common
+    assert store.live_tokens == len({c[:i] for c in distinct for i in range(1, len(c) + 1)})
+    store.drop("s")
+    assert store.live_tokens == 0
