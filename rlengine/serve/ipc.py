@@ -15,7 +15,8 @@ known); an oversize or zero-length frame gets ``Error`` and a clean close (the
 stream cannot be resynchronised); a truncated frame at EOF is dropped.
 
 Backpressure per connection: at most ``max_in_flight`` turns in flight (the
-server stops reading until replies go out), and when the client stops
+server stops reading until replies go out; frames already read past the
+bound wait unparsed, so one large read cannot exceed it), and when the client stops
 reading (the transport's write buffer passes its high-water mark) the server
 stops reading its requests too; a client that stays stalled for
 ``write_stall_timeout_s`` is disconnected. A connection that goes away with
@@ -33,12 +34,13 @@ import logging
 import os
 import stat
 import tempfile
+from collections import deque
 from typing import Any
 
 import msgspec
 
-from rlengine.errors import ConfigurationError
 from rlengine.core.futures import RequestFuture
+from rlengine.errors import ConfigurationError
 from rlengine.protocol import (
     HEADER,
     Ack,
@@ -109,6 +111,9 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self._writing_paused = False
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._held: deque[memoryview] = deque()
+        """Frames read but not yet handled (past ``max_in_flight``)."""
+        self._serving = False
         self._handlers = {Ping: self._ping, OpenSession: self._open, Chat: self._chat, Generate: self._generate,
                           Reward: self._reward, GetTrace: self._trace, CloseSession: self._close}
 
@@ -130,22 +135,37 @@ class _Connection(asyncio.Protocol):
             self.send(Error(id=0, code=exc.code, message=str(exc)))
             self.close()
             return
-        decode, handlers = self.decoder.decode, self._handlers
-        for body in bodies:
-            try:
-                request = decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self.send(Error(id=_request_id_of(body), code=BadMessage.code, message=f"bad message: {exc}"))
-                continue
-            try:
-                handlers[type(request)](request)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes this request's Error
-                err = to_serve_error(exc)
-                self.send(Error(id=request.id, code=err.code, message=str(err)))
-            if self.closed:
-                return
-        if self._reading_paused or len(self.turns) >= self.server.max_in_flight:
+        self._held.extend(bodies)
+        self._serve_held()
+
+    def _serve_held(self) -> None:
+        """Handle the frames read so far, in order, while fewer than ``max_in_flight`` turns run.
+
+        One read can hold many frames: those past the bound wait here, unparsed,
+        and reading stays paused until a turn finishes (``_turn_done``)."""
+        if self._serving:
+            return  # a turn settled inside a handler: the loop below goes on
+        self._serving = True
+        held, limit = self._held, self.server.max_in_flight
+        try:
+            while held and len(self.turns) < limit and not self.closed:
+                self._serve(held.popleft())
+        finally:
+            self._serving = False
+        if held or self._reading_paused or len(self.turns) >= limit:
             self._update_reading()
+
+    def _serve(self, body: memoryview) -> None:
+        try:
+            request = self.decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.send(Error(id=_request_id_of(body), code=BadMessage.code, message=f"bad message: {exc}"))
+            return
+        try:
+            self._handlers[type(request)](request)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes this request's Error
+            err = to_serve_error(exc)
+            self.send(Error(id=request.id, code=err.code, message=str(err)))
 
     def eof_received(self) -> bool:
         # EOF means the client is gone: a unix socket's half-close cannot be
@@ -157,6 +177,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self._cancel_stall_timer()
         self.server.connections.discard(self)
+        self._held.clear()
         turns, self.turns = self.turns, {}
         for fut in turns.values():
             if not fut.done():
@@ -194,7 +215,7 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or self.closed:
             return
-        pause = self._writing_paused or len(self.turns) >= self.server.max_in_flight
+        pause = self._writing_paused or bool(self._held) or len(self.turns) >= self.server.max_in_flight
         if pause and not self._reading_paused:
             transport.pause_reading()
             self._reading_paused = True
@@ -266,7 +287,7 @@ class _Connection(asyncio.Protocol):
         else:
             err = to_serve_error(exc)
             self.send(Error(id=request_id, code=err.code, message=str(err)))
-        self._update_reading()
+        self._serve_held()
 
 
 class IpcServer:

@@ -310,10 +310,12 @@ def test_in_flight_turns_per_connection_are_bounded(served):
     sid, token = open_session(served)
     raw = Raw(served.ipc_path)
     try:
-        for i in range(20):
-            raw.send_msg(p.Generate(id=i + 1, session_id=sid, token=token, tokens_raw=array("i", [1]).tobytes(),
-                                    sampling=p.Sampling(max_tokens=60)))
-        time.sleep(0.1)
+        # One write, so the server reads all 20 frames at once: the bound must
+        # hold inside one read too, not only between reads.
+        raw.send(b"".join(bytes(p.frame(raw.encoder, p.Generate(
+            id=i + 1, session_id=sid, token=token, tokens_raw=array("i", [1]).tobytes(),
+            sampling=p.Sampling(max_tokens=400)))) for i in range(20)))
+        time.sleep(0.1)  # well inside the first turns (400 steps of 1 ms)
         most = served.on_loop(lambda: max(len(c.turns) for c in served.server.ipc.connections))
         assert most <= 8  # max_in_flight: the server stopped reading the rest
         replies = [raw.recv() for _ in range(20)]
