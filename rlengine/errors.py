@@ -12,8 +12,11 @@ The distinction that matters to callers is recoverable vs fatal:
   compute thread, a closed engine). Every pending and every new future fails
   with it at once; nothing waits for an engine that will never answer.
 
-Messages name the offending field and value. This module imports nothing but
-the standard library so that sandboxes and the wire protocol can share it.
+Messages name the offending field and value. Every error survives
+``pickle`` (Ray actors and multiprocessing pickle exceptions) with its
+message and its fields, whatever its ``__init__`` takes. This module imports
+nothing but the standard library so that sandboxes and the wire protocol can
+share it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,34 @@ from __future__ import annotations
 
 class RLEngineError(Exception):
     """Root of every error rlengine raises on purpose."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Exception's own reduce calls ``cls(*self.args)``, which breaks every
+        # subclass whose __init__ takes fields rather than the message. Rebuild
+        # from the message and the fields instead, without calling __init__.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+def _rebuild(cls: type[RLEngineError], args: tuple[object, ...], state: dict[str, object]) -> RLEngineError:
+    # Allocate as ``cls(...)`` would, minus __init__: with the __new__ of the
+    # builtin base that lays the instance out. With two builtin bases (an
+    # InvalidRequest is a ValueError, a DrainTimeout a RuntimeError and a
+    # TimeoutError) only one of them accepts the class, so try them in order.
+    for base in cls.__mro__:
+        if not base.__flags__ & _HEAPTYPE:
+            try:
+                error = base.__new__(cls, *args)
+            except TypeError:
+                continue
+            break
+    else:  # pragma: no cover - one builtin base always lays an exception out
+        raise TypeError(f"cannot rebuild {cls.__qualname__}")
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigurationError(RLEngineError, ValueError):
