@@ -24,8 +24,9 @@ PACKAGE = ROOT / "rlengine"
 CONTROL_PLANE = [
     "rlengine", "rlengine.errors", "rlengine.types", "rlengine.protocol", "rlengine.sandbox_client",
     "rlengine.render", "rlengine.trace", "rlengine.trace.store", "rlengine.trace.trie", "rlengine.core",
-    "rlengine.core.engine", "rlengine.core.sampler", "rlengine.core.scheduler", "rlengine.core.futures",
-    "rlengine.core.compute", "rlengine.core.config", "rlengine.core.clients", "rlengine.serve",
+    "rlengine.core.engine", "rlengine.core.sampler", "rlengine.core.records", "rlengine.core.scheduler",
+    "rlengine.core.futures", "rlengine.core.compute", "rlengine.core.config", "rlengine.core.clients", "rlengine.seeding",
+    "rlengine.serve",
     "rlengine.serve.server", "rlengine.serve.sessions", "rlengine.serve.ipc", "rlengine.serve.http",
     "rlengine.serve.router", "rlengine.rl", "rlengine.rl.loop", "rlengine.rl.run", "rlengine.rl.sandbox",
     "rlengine.backends", "rlengine.backends.sim", "rlengine.backends.torch", "rlengine.backends.torch.models",

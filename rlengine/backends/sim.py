@@ -30,42 +30,25 @@ import msgspec
 import numpy as np
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.seeding import mix_array
 
 if TYPE_CHECKING:
     from rlengine.core.config import SimConfig
 
 __all__ = ["SimBackend", "decode_sim_token"]
 
-_M64 = 0xFFFFFFFFFFFFFFFF
-_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-"""splitmix64's constants: ``_mix`` and its vectorized twin ``_draw`` share them."""
-
-
-def _mix(seed: int, pos: int) -> int:
-    z = (seed + (pos + 1) * _GOLDEN) & _M64
-    z = ((z ^ (z >> 30)) * _MUL1) & _M64
-    z = ((z ^ (z >> 27)) * _MUL2) & _M64
-    return z ^ (z >> 31)
-
-
-_MIX = (np.uint64(_GOLDEN), np.uint64(_MUL1), np.uint64(_MUL2))
-
 
 def _draw(seqs: list[_SimSeq], vocab: int) -> None:
-    """Give each sequence its sampled tokens, ``_mix(seed, pos) % vocab`` for
+    """Give each sequence its sampled tokens, ``mix(seed, pos) % vocab`` for
     pos < end, in one vectorized pass over the whole batch: per token the
     sim then costs a list lookup, as a zero-cost backend should, not a
     Python big-int hash."""
     ends = np.fromiter((s.end for s in seqs), np.int64, len(seqs))
     total = int(ends.sum())
-    seeds = np.fromiter((s.seed & _M64 for s in seqs), np.uint64, len(seqs))
+    seeds = np.fromiter((s.seed & 0xFFFFFFFFFFFFFFFF for s in seqs), np.uint64, len(seqs))
     starts = np.cumsum(ends) - ends
     pos = np.arange(total, dtype=np.int64) - np.repeat(starts, ends)
-    with np.errstate(over="ignore"):
-        z = np.repeat(seeds, ends) + (pos.astype(np.uint64) + np.uint64(1)) * _MIX[0]
-        z = (z ^ (z >> np.uint64(30))) * _MIX[1]
-        z = (z ^ (z >> np.uint64(27))) * _MIX[2]
-        z ^= z >> np.uint64(31)
+    z = mix_array(np.repeat(seeds, ends), pos)
     # One int32 buffer, a view of it per sequence: no Python int per token
     # outlives its step (thousands of those, freed on this thread and reused
     # by the engine's loop thread, measurably slowed the loop).

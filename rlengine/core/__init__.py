@@ -4,9 +4,10 @@ One role per module, each the single owner of its per-request records:
 
 * ``engine``    - ``Engine``: lifecycle, the thread-safe hand-in, the one
   validated submission path (``Engine.sample``); it talks to the sampler only;
-* ``sampler``   - ``SamplerLoop``: owns every request from submission to
-  settlement (the queued and in-flight records, their sequences, their
-  futures), steps the backend on the compute thread;
+* ``sampler``   - ``SamplerLoop``: changes and settles every request from
+  submission to settlement, steps the backend on the compute thread;
+* ``records``   - the per-request records it owns (sample calls and their
+  sequences, external leases, blocking work) and their constructors;
 * ``scheduler`` - ``Scheduler``: the FIFO's admission rule and the lease
   ledger (the request gate); it owns every ``Lease``;
 * ``compute``   - the one compute thread (data plane);

@@ -13,10 +13,13 @@ burst (not one per request). Backend steps and training work run on one
 compute thread (``rlengine.core.compute``), so the loop stays responsive while the
 accelerator (or CPU) computes.
 
-This module owns lifecycle and submission; the sampler loop
-(``rlengine.core.sampler``) owns admission, stepping and settlement, and the
-scheduler (``rlengine.core.scheduler``) the FIFO and the request gate. It imports
-no torch: model backends and trainers are imported lazily.
+This module owns lifecycle and submission, and validates every sample call
+in one place (``validate_sample``; ``sample`` = validate + ``submit_sample``):
+the in-process clients, the session layer, the Tinker API and the RL loop all
+submit through it. It talks only to the sampler loop (``rlengine.core.sampler``),
+which owns every request from submission to settlement and, through its
+scheduler (``rlengine.core.scheduler``), admission and the request gate. It
+imports no torch: model backends and trainers are imported lazily.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from rlengine.backends import SPECS, Backend, load, resolve_backend
 from rlengine.core.compute import ComputeThread
 from rlengine.core.config import EngineConfig
 from rlengine.core.futures import RequestFuture
+from rlengine.core.records import Entry, OnTokens, SampleSpec, new_blocking, new_lease, new_sample
 from rlengine.core.sampler import SamplerLoop
-from rlengine.core.scheduler import BlockingItem, Item, Lease, LeaseItem, SampleItem, Scheduler
+from rlengine.core.scheduler import Lease, Scheduler
 from rlengine.errors import EngineClosed, EngineDeadError, InvalidRequest, RLEngineError
 from rlengine.types import ModelInput, SampleResponse, SamplingParams, UnloadModelResponse, int32_bytes
 
@@ -74,7 +78,7 @@ class Engine:
         self._serve_task: asyncio.Task[None] | None = None
         # Work handed in from other threads: queued items themselves (the hot
         # path, no wrapper allocated) or (function, args) calls.
-        self._inbox: deque[Item | tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._inbox: deque[Entry | tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._wake_pending = False
         self._ids = itertools.count(1)
         self._abort_cb = self.abort
@@ -163,8 +167,7 @@ class Engine:
         self._loop_ident = threading.get_ident()
         self._compute = ComputeThread()
         self._backend = await self._compute.submit(loop, self._build_backend)
-        scheduler = Scheduler(continuous=self.config.resolved_continuous(), version=0)
-        self._sampler = SamplerLoop(self._backend, self._compute, scheduler,
+        self._sampler = SamplerLoop(self._backend, self._compute, continuous=self.config.resolved_continuous(),
                                     drain_policy=self.config.drain_policy,
                                     drain_timeout_s=self.config.drain_timeout_s, seed=self.config.seed)
         self._serve_task = loop.create_task(self._sampler.serve(), name="rlengine-sampler")
@@ -274,7 +277,7 @@ class Engine:
             return
         self._hand_in((fn, args))
 
-    def _hand_in(self, entry: Item | tuple[Callable[..., None], tuple[Any, ...]]) -> None:
+    def _hand_in(self, entry: Entry | tuple[Callable[..., None], tuple[Any, ...]]) -> None:
         self._inbox.append(entry)
         if self._state in ("closed", "dead") and (self._loop is None or not self._loop.is_running()):
             self._fail_inbox()
@@ -300,7 +303,7 @@ class Engine:
                 assert enqueue is not None
                 enqueue(entry)
 
-    def _submit(self, item: Item) -> RequestFuture[Any]:
+    def _submit(self, item: Entry) -> RequestFuture[Any]:
         if self._state not in ("running", "closing"):
             error = self._sampler.dead if self._sampler is not None and self._sampler.dead else None
             item.future.set_exception(error or EngineClosed(
@@ -326,10 +329,14 @@ class Engine:
 
     @property
     def gate(self) -> Scheduler:
-        """The request gate (loop thread only; see ``rlengine.core.scheduler``)."""
+        """The request gate, to inspect (version, receipts, unknown leases; loop thread
+        only; see ``rlengine.core.scheduler``). Changes go through the engine."""
+        return self._started().gate
+
+    def _started(self) -> SamplerLoop:
         if self._sampler is None:
             raise RLEngineError("the engine is not started")
-        return self._sampler.sched
+        return self._sampler
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -370,27 +377,26 @@ class Engine:
         n = len(raw) >> 2
         if n == 0:
             raise InvalidRequest("prompt", "[]", "must hold at least one token")
-        backend = self._backend
-        if backend is None:
-            backend = self.backend  # raises: not started
+        backend = self.backend
         if n >= backend.max_model_len:
             raise InvalidRequest("prompt.length", n, f"must be < the model's context length {backend.max_model_len}")
-        # Short prompts: max() over a memoryview beats numpy's call overhead.
-        top = max(memoryview(raw).cast("i")) if n < 256 else int(np.frombuffer(raw, dtype=np.int32).max())
+        if n < 256:  # short prompts: min() and max() over a memoryview beat numpy's call overhead
+            ids = memoryview(raw).cast("i")
+            low, top = min(ids), max(ids)
+        else:
+            array = np.frombuffer(raw, dtype=np.int32)
+            low, top = int(array.min()), int(array.max())
         if top >= backend.vocab_size:
             raise InvalidRequest("prompt", top, f"token id >= vocab size {backend.vocab_size}")
+        if low < 0:  # raw int32 (from a wire) can hold what ModelInput.from_ints refuses
+            raise InvalidRequest("prompt", low, "token ids must be >= 0")
         return raw
 
-    def sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None, *,
-               version: int | None = None, session_id: str | None = None,
-               include_prompt_logprobs: bool = False,
-               on_tokens: Callable[[int, list[int], list[float], int], None] | None = None,
-               ) -> RequestFuture[SampleResponse]:
-        """Queue one sample call; thread-safe. Its future completes when its own
-        ``num_samples`` generations complete. ``version`` pins a sampler version
-        (None: whatever is loaded at admission). ``on_tokens(index, token_ids,
-        logprobs, version)`` streams: it is called on the loop thread with each
-        sequence's new tokens as they are produced (keep it short)."""
+    def validate_sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+                        *, include_prompt_logprobs: bool = False) -> SampleSpec:
+        """Check a sample call against this engine (prompt length and ids, the count,
+        the parameters against the backend's capabilities); raises ``InvalidRequest``
+        naming the field. The one place these rules are written; thread-safe."""
         raw = self._prompt_bytes(prompt)
         if type(num_samples) is not int or num_samples < 1:  # a bool is refused too
             raise InvalidRequest("num_samples", num_samples, "must be an integer >= 1")
@@ -399,10 +405,27 @@ class Engine:
             raise InvalidRequest("sampling_params", type(params).__name__, "must be a SamplingParams")
         if params.stop is not None and params.stop_strings and not self.backend.capabilities.stop_strings:
             raise InvalidRequest("sampling_params.stop", params.stop, f"backend {self.backend.name} has no stop strings")
-        rid = f"s{next(self._ids)}"
-        future: RequestFuture[SampleResponse] = RequestFuture(rid, self._abort_cb)
-        return self._submit(SampleItem(rid, raw, params, num_samples, version, session_id,
-                                       include_prompt_logprobs, future, on_tokens=on_tokens))
+        return SampleSpec(raw, num_samples, params, bool(include_prompt_logprobs))
+
+    def submit_sample(self, spec: SampleSpec, *, version: int | None = None, session_id: str | None = None,
+                      on_tokens: OnTokens | None = None) -> RequestFuture[SampleResponse]:
+        """Queue a validated sample call (``validate_sample``); thread-safe. Its future
+        completes when its own ``num_samples`` generations complete. ``version`` pins a
+        sampler version (None: whatever is loaded at admission). ``on_tokens(index,
+        token_ids, logprobs, version)`` streams: it is called on the loop thread with
+        each sequence's new tokens as they are produced (keep it short)."""
+        if not isinstance(spec, SampleSpec):
+            raise InvalidRequest("spec", type(spec).__name__, "must come from Engine.validate_sample")
+        return self._submit(new_sample(self._new_id("s"), spec, version, session_id, on_tokens, self._abort_cb))
+
+    def sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None, *,
+               version: int | None = None, session_id: str | None = None,
+               include_prompt_logprobs: bool = False, on_tokens: OnTokens | None = None,
+               ) -> RequestFuture[SampleResponse]:
+        """Queue one sample call: ``validate_sample`` then ``submit_sample``; thread-safe."""
+        spec = self.validate_sample(prompt, num_samples, sampling_params,
+                                    include_prompt_logprobs=include_prompt_logprobs)
+        return self.submit_sample(spec, version=version, session_id=session_id, on_tokens=on_tokens)
 
     def lease(self, session_id: str | None = None, version: int | None = None) -> RequestFuture[Lease]:
         """Queue for an external lease (a session turn driven outside the engine).
@@ -410,8 +433,7 @@ class Engine:
         It is admitted by the same FIFO rule as samples; the holder must
         ``settle`` it (or ``mark_unknown``) on the loop thread.
         """
-        rid = self._new_id("l")
-        return self._submit(LeaseItem(rid, session_id, version, RequestFuture(rid, self._abort_cb)))
+        return self._submit(new_lease(self._new_id("l"), session_id, version, self._abort_cb))
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id, wherever it is (thread-safe; idempotent)."""
@@ -422,9 +444,8 @@ class Engine:
                         before: Callable[[], None] | None = None,
                         after: Callable[[Any], Any] | None = None) -> RequestFuture[Any]:
         """Queue blocking work: it runs on the compute thread with the sampler drained."""
-        rid = self._new_id("b")
-        item = BlockingItem(rid, kind, run, RequestFuture(rid, self._abort_cb), noop=noop, before=before, after=after)
-        return self._submit(item)
+        return self._submit(new_blocking(self._new_id("b"), kind, run, self._abort_cb, noop=noop, before=before,
+                                         after=after))
 
     def install_weights(self, weights: Callable[[], Any]) -> RequestFuture[int]:
         """Install ``weights()`` (named tensors, computed on the compute thread) as the
@@ -432,7 +453,7 @@ class Engine:
         box: dict[str, int] = {}
 
         def before() -> None:
-            self.gate.assert_healthy()
+            self._started().check_installable()
             box["version"] = self._next_version
 
         def run() -> int:
@@ -441,7 +462,7 @@ class Engine:
             return version
 
         def after(version: int) -> int:
-            self.gate.install_version(version)
+            self._started().install_version(version)
             self._next_version = version + 1
             return version
 
@@ -457,13 +478,14 @@ class Engine:
             return True
 
         def after(_: bool) -> UnloadModelResponse:
-            if self.gate.version is None:
+            sampler = self._started()
+            if sampler.version is None:
                 return UnloadModelResponse(unloaded=False)
-            self.gate.install_version(None)
+            sampler.install_version(None)
             return UnloadModelResponse(unloaded=True)
 
         def noop() -> bool:
-            return self.gate.version is None
+            return self._started().version is None
 
         return self.submit_blocking("unload", run, noop=noop, after=after)
 
@@ -488,13 +510,11 @@ class Engine:
         unknown, so its lease (if admitted) stays unknown and poisons the gate
         until ``write_off``. Resolves to that lease id, or None if the request
         had not started or had already settled (then nothing is poisoned)."""
-        if self._sampler is None:
-            raise RLEngineError("the engine is not started")
-        return self.call_on_loop(self._sampler.abandon, request_id, reason)
+        return self.call_on_loop(self._started().abandon, request_id, reason)
 
     def write_off(self, lease_id: int) -> RequestFuture[Any]:
         """Give up on a lease with an unknown outcome (un-poisons the gate for it)."""
-        return self.call_on_loop(lambda: self.gate.write_off(lease_id))
+        return self.call_on_loop(self._started().write_off, lease_id)
 
     def training_client(self) -> TrainingClient:
         from rlengine.core.clients import TrainingClient

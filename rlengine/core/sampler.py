@@ -10,10 +10,13 @@ the backend, through the single compute thread:
    thread and settle every request that finished in it, at once: a request's
    future completes the moment its own generation completes (no waves).
 
+This module is the one that changes and settles the engine's per-request
+records (``rlengine.core.records``: sample calls and their sequences,
+external leases, blocking work): every request it accepts settles exactly
+once (completed, aborted or failed), including on shutdown and engine death.
 Every sequence's tokens, logprobs and the version that produced each token
-accumulate here, as compact arrays. This module owns settlement: every
-request it accepts settles exactly once (completed, aborted or failed),
-including on shutdown and engine death.
+accumulate here, as compact arrays. The scheduler owns the leases; this
+module settles a lease only through it.
 """
 
 from __future__ import annotations
@@ -21,16 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import struct
 import time
 from array import array
 from typing import Any
 
-import msgspec
-
 from rlengine.backends.base import Backend, BackendRequest, RequestOutput
 from rlengine.core.compute import ComputeThread
-from rlengine.core.scheduler import BlockingItem, Item, LeaseItem, SampleItem, Scheduler
+from rlengine.core.futures import RequestFuture, settle_all
+from rlengine.core.records import BlockingWork, Entry, LeaseRequest, SampleRequest, Sequence
+from rlengine.core.scheduler import Lease, Scheduler
 from rlengine.errors import (
     BackendRequestError,
     DrainTimeout,
@@ -38,108 +40,46 @@ from rlengine.errors import (
     EngineDeadError,
     RequestAborted,
 )
-from rlengine.types import SampledSequence, SampleResponse
+from rlengine.seeding import derive_seed
+from rlengine.types import Receipt, SampledSequence, SampleResponse
 
 __all__ = ["SamplerLoop"]
 
 log = logging.getLogger("rlengine")
 
-_SEED_MASK = (1 << 63) - 1
-_I32 = struct.Struct("<i")
 # Upper bound on backend steps per compute-thread job (see ``_step_job``).
 _STEPS_PER_JOB = 64
 
-
-def derive_seed(seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``seed`` (splitmix64 mix)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _SEED_MASK
-
-
-class _Seq(msgspec.Struct, gc=False):
-    """One sequence in flight: a backend request plus what it produced so far.
-
-    An untracked Struct (see ``rlengine.core.scheduler.Lease``): thousands are in
-    flight and none is part of a reference cycle.
-    """
-
-    item: SampleItem
-    index: int
-    backend_id: str
-    seed: int
-    tokens: array | None = None
-    logprobs: array | None = None
-    version: int | None = None
-    """The version of the latest tokens."""
-    spans: list[tuple[int, int]] | None = None
-    """(first token index, version) per version, once a second version appears
-    (only across a pause); None while every token has ``version``."""
-    stop_reason: str | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.tokens is None else len(self.tokens)
-
-    def add(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        """Append a report. (A first report of the backend's own arrays is taken over
-        without a copy by SamplerLoop._apply, the hot path, and never comes here.)"""
-        if self.tokens is None:
-            self.tokens = array("i", token_ids)
-            self.logprobs = array("f", logprobs)
-            self.version = version
-            return
-        if self.version != version:
-            if self.spans is None:
-                self.spans = [(0, self.version)]
-            self.spans.append((len(self.tokens), version))
-            self.version = version
-        self.tokens.extend(token_ids)
-        assert self.logprobs is not None
-        self.logprobs.extend(logprobs)
-
-    def _spans_raw(self) -> bytes:
-        """The per-token versions of a sequence whose version changed (``spans``); the
-        one-version case is built in ``to_sequence``."""
-        assert self.spans is not None
-        ends = [start for start, _ in self.spans[1:]] + [self.length]
-        return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(self.spans, ends))
-
-    def to_sequence(self, stop_reason: str) -> SampledSequence:
-        tokens = self.tokens
-        if tokens is None:
-            return SampledSequence(stop_reason=stop_reason)
-        assert self.logprobs is not None
-        versions = _I32.pack(self.version) * len(tokens) if self.spans is None else self._spans_raw()
-        return SampledSequence(stop_reason=stop_reason, tokens_raw=tokens.tobytes(),
-                               logprobs_raw=self.logprobs.tobytes(), versions_raw=versions)
+Outcome = tuple[RequestFuture[Any], bool, Any]
+"""(future, ok, result or exception): a settlement, made in bulk by ``settle_all``."""
 
 
 class SamplerLoop:
-    """Admission, stepping and settlement; loop thread only."""
+    """Admission, stepping and settlement; loop thread only (but the ``new_*`` constructors)."""
 
-    def __init__(self, backend: Backend, compute: ComputeThread, scheduler: Scheduler, *,
-                 drain_policy: str, drain_timeout_s: float, seed: int) -> None:
+    def __init__(self, backend: Backend, compute: ComputeThread, *, continuous: bool, drain_policy: str,
+                 drain_timeout_s: float, seed: int) -> None:
         self.backend = backend
         self.compute = compute
-        self.sched = scheduler
+        self.gate = Scheduler(continuous=continuous, version=0)
+        """The scheduler: the FIFO's admission rule and the request gate (read it on the loop thread)."""
         self.drain_policy = drain_policy
         # Per-step token deltas are only needed to keep the partial tokens of
         # paused requests; otherwise each sequence reports once, finished.
         self._stream = drain_policy == "pause"
         self.drain_timeout_s = drain_timeout_s
         self._rng = random.Random(seed)
-        self._seqs: dict[str, _Seq] = {}
-        self._items: dict[str, SampleItem] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, SampleRequest] = {}
         self._to_add: list[BackendRequest] = []
         self._to_abort: list[str] = []
-        self._paused: list[_Seq] = []
-        self._wave_hold: list[tuple[SampleItem, SampleResponse]] = []
-        self._running_blocking: BlockingItem | None = None
+        self._paused: list[Sequence] = []
+        self._wave_hold: list[Outcome] = []
+        self._running_blocking: BlockingWork | None = None
         self._wake = asyncio.Event()
         self._interrupt = False
         """Set on the loop when new work arrives; read by the compute thread between steps."""
-        scheduler.on_drained = self._signal
+        self.gate.on_drained = self._signal
         self._stopping = False
         self.dead: EngineDeadError | None = None
         self.asleep = False
@@ -149,6 +89,25 @@ class SamplerLoop:
         self.busy_s = 0.0
         """Seconds spent running backend steps (the RL loop derives the sampler's idle share)."""
 
+    # -- the gate, for the engine (loop thread) ------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The policy version loaded in the sampler (None: unloaded)."""
+        return self.gate.version
+
+    def check_installable(self) -> None:
+        """Raise ``GatePoisoned`` while a lease with an unknown outcome exists."""
+        self.gate.assert_healthy()
+
+    def install_version(self, version: int | None) -> None:
+        """Record a weight install (or unload: None); called by blocking work, sealed and drained."""
+        self.gate.install_version(version)
+
+    def write_off(self, lease_id: int) -> Receipt:
+        """Give up on a lease with an unknown outcome (un-poisons the gate for it)."""
+        return self.gate.write_off(lease_id)
+
     # -- intake (loop thread) --------------------------------------------------
 
     def _signal(self) -> None:
@@ -156,25 +115,25 @@ class SamplerLoop:
         self._interrupt = True
         self._wake.set()
 
-    def enqueue(self, item: Item) -> None:
+    def enqueue(self, entry: Entry) -> None:
         if self.dead is not None:
-            item.future.set_exception(self.dead)
+            entry.future.set_exception(self.dead)
             return
         if self._stopping:
-            item.future.set_exception(EngineClosed(f"request {item.request_id}: the engine is closing"))
+            entry.future.set_exception(EngineClosed(f"request {entry.request_id}: the engine is closing"))
             return
-        self.sched.submit(item)
+        self.gate.submit(entry)
         self._signal()
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; it settles as aborted exactly once."""
-        item = self.sched.remove(request_id)
-        if item is not None:
-            self._settle_unstarted(item, RequestAborted(f"request {request_id} aborted before it started"))
+        entry = self.gate.remove(request_id)
+        if entry is not None:
+            self._settle_unstarted(entry, RequestAborted(f"request {request_id} aborted before it started"))
             return
-        sample = self._items.get(request_id)
-        if sample is not None:
-            self._abort_sample(sample)
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._abort_sample(request)
             self._signal()
 
     def abandon(self, request_id: str, reason: str) -> int | None:
@@ -186,89 +145,78 @@ class SamplerLoop:
         Returns that lease's id; None when the request had not started (it
         is simply aborted: nothing ran) or has already settled.
         """
-        item = self._items.get(request_id)
-        if item is None or item.lease is None or item.lease.state not in ("active", "paused"):
+        request = self._requests.get(request_id)
+        if request is None or request.lease is None or request.lease.state not in ("active", "paused"):
             self.abort(request_id)
             return None
-        lease = item.lease
-        lease.mark_unknown(reason)
-        self._abort_sample(item)
+        lease = request.lease
+        self.gate.mark_unknown(lease, reason)
+        self._abort_sample(request)
         self._signal()
         return lease.lease_id
 
-    def _settle_unstarted(self, item: Item, exc: BaseException) -> None:
-        if isinstance(item, SampleItem):
-            seqs = [SampledSequence(stop_reason="abort") for _ in range(item.num_samples)]
-            item.future.set_result(SampleResponse(sequences=tuple(seqs), request_id=item.request_id))
+    def _settle_unstarted(self, entry: Entry, exc: BaseException) -> None:
+        if isinstance(entry, SampleRequest):
+            seqs = tuple(SampledSequence(stop_reason="abort") for _ in range(entry.spec.num_samples))
+            entry.future.set_result(SampleResponse(sequences=seqs, request_id=entry.request_id))
         else:
-            item.future.set_exception(exc)
+            entry.future.set_exception(exc)
 
-    def _abort_sample(self, item: SampleItem) -> None:
+    def _abort_sample(self, request: SampleRequest) -> None:
         """Abort an admitted sample: partial tokens are kept, stop_reason 'abort'."""
-        self._items.pop(item.request_id, None)
-        for seq in item.seqs or ():
-            if self._seqs.pop(seq.backend_id, None) is not None:
-                self._to_abort.append(seq.backend_id)
+        self._forget_sequences(request)
+        for seq in request.seqs or ():
             if seq.stop_reason is None:
                 seq.stop_reason = "abort"
-        self._paused = [s for s in self._paused if s.item is not item]
-        self._complete(item, aborted=True)
+        self._complete(request, aborted=True)
+
+    def _forget_sequences(self, request: SampleRequest) -> None:
+        """Stop tracking ``request``: its running sequences are aborted in the backend."""
+        self._requests.pop(request.request_id, None)
+        for seq in request.seqs or ():
+            if self._seqs.pop(seq.backend_id, None) is not None:
+                self._to_abort.append(seq.backend_id)
+        if self._paused:
+            self._paused = [s for s in self._paused if s.request is not request]
 
     # -- admission ----------------------------------------------------------------
 
     def _admit(self) -> None:
-        before = len(self._items)
-        admitted, stale = self.sched.admit()
-        for item in stale:
-            item.future.set_exception(self.sched.stale_error(item))
-        version = self.sched.version
-        max_model_len = self.backend.max_model_len
-        items, seqs, to_add, rng, stream_all = self._items, self._seqs, self._to_add, self._rng, self._stream
-        # The per-request hot path: everything a fresh sequence needs is inlined
-        # here (resumed ones use _backend_request).
-        for item in admitted:
-            if type(item) is LeaseItem:
-                item.future.set_result(item.lease)
-                continue
-            rid = item.request_id
-            items[rid] = item
-            params = item.params
-            base = params.seed
-            room = max_model_len - (len(item.prompt) >> 2)
-            max_tokens = params.max_tokens
-            if max_tokens is None or max_tokens > room:
-                max_tokens = room if room > 0 else 1
-            stream = stream_all or item.on_tokens is not None
-            n = item.num_samples
-            item.remaining = n
-            if n == 1:
-                seed = rng.getrandbits(63) if base is None else derive_seed(base, 0)
-                seq = _Seq(item, 0, rid, seed)
-                item.seqs = [seq]
-                seqs[rid] = seq
-                to_add.append(BackendRequest(rid, item.prompt, params, seed, max_tokens, item.prompt_logprobs, stream))
+        admission = self.gate.admit()
+        for entry in admission.stale:
+            entry.future.set_exception(self.gate.stale_error(entry))
+        for entry, lease in zip(admission.admitted, admission.leases):
+            if type(entry) is LeaseRequest:
+                entry.future.set_result(lease)
             else:
-                item.seqs = []
-                for i in range(n):
-                    seed = rng.getrandbits(63) if base is None else derive_seed(base, i)
-                    seq = _Seq(item, i, f"{rid}.{i}", seed)
-                    item.seqs.append(seq)
-                    seqs[seq.backend_id] = seq
-                    to_add.append(BackendRequest(seq.backend_id, item.prompt, params, seed, max_tokens,
-                                                 item.prompt_logprobs and i == 0, stream))
-            if version is not None:
-                # Admitted items always hold a lease; a fresh one has no versions yet.
-                item.lease.versions = {version}
-        self.admitted += len(items) - before
+                self._start(entry, lease)
 
-    def _backend_request(self, seq: _Seq, prompt: bytes, seed: int) -> BackendRequest:
-        item = seq.item
-        room = self.backend.max_model_len - len(prompt) // 4
-        want = item.params.max_tokens if item.params.max_tokens is not None else room
-        return BackendRequest(request_id=seq.backend_id, prompt=prompt, params=item.params, seed=seed,
-                              max_tokens=max(1, min(want - seq.length, room)),
-                              prompt_logprobs=item.prompt_logprobs and seq.index == 0 and not seq.length,
-                              stream=self._stream or item.on_tokens is not None)
+    def _start(self, request: SampleRequest, lease: Lease) -> None:
+        """An admitted sample: one sequence per sample, each sent to the backend with its seed."""
+        request.lease = lease
+        self._requests[request.request_id] = request
+        n = request.spec.num_samples
+        base = request.spec.params.seed
+        request.remaining = n
+        request.seqs = []
+        for i in range(n):
+            seed = self._rng.getrandbits(63) if base is None else derive_seed(base, i)
+            seq = Sequence(request, i, request.request_id if n == 1 else f"{request.request_id}.{i}", seed)
+            request.seqs.append(seq)
+            self._seqs[seq.backend_id] = seq
+            self._to_add.append(self._backend_request(seq, request.spec.prompt))
+        self.admitted += 1
+
+    def _backend_request(self, seq: Sequence, prompt: bytes) -> BackendRequest:
+        """The backend request of ``seq``: its prompt (with its tokens so far, when it resumes),
+        the tokens still wanted within the context, and its seed."""
+        request = seq.request
+        params = request.spec.params
+        room = self.backend.max_model_len - (len(prompt) >> 2)
+        want = params.max_tokens if params.max_tokens is not None else room
+        return BackendRequest(seq.backend_id, prompt, params, seq.seed, max(1, min(want - seq.length, room)),
+                              request.spec.prompt_logprobs and seq.index == 0 and not seq.length,
+                              self._stream or request.on_tokens is not None)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -302,7 +250,7 @@ class SamplerLoop:
     async def _run_step(self, step: bool = True) -> None:
         adds, self._to_add = self._to_add, []
         aborts, self._to_abort = self._to_abort, []
-        version = self.sched.version
+        version = self.gate.version
         # Cleared before the job starts: anything enqueued from now on stops
         # its step run, so new work waits at most one backend step.
         self._interrupt = False
@@ -314,181 +262,177 @@ class SamplerLoop:
         for backend_id, exc in rejected:
             seq = self._seqs.get(backend_id)
             if seq is not None:
-                self._fail_sample(seq.item, exc, unknown=False)
-        self._apply(outs, -1 if version is None else version)
-        if self._wave_hold and self.sched.quiesced:
-            held, self._wave_hold = self._wave_hold, []
-            for item, response in held:
-                item.future.set_result(response)
+                self._fail_sample(seq.request, exc, unknown=False)
+        settled: list[Outcome] = []
+        self._apply(outs, -1 if version is None else version, settled)
+        if self._wave_hold and self.gate.quiesced:
+            settled += self._wave_hold
+            self._wave_hold = []
+        # Every request that finished in this step is settled before any of
+        # their done-callbacks runs (``settle_all``).
+        settle_all(settled)
 
-    def _apply(self, outs: list[RequestOutput], version: int) -> None:
+    def _apply(self, outs: list[RequestOutput], version: int, settled: list[Outcome]) -> None:
         seqs = self._seqs
         for out in outs:
             seq = seqs.get(out.request_id)
             if seq is None:  # aborted while this step ran
                 continue
-            item = seq.item
-            token_ids = out.token_ids
-            if token_ids:
-                logprobs = out.logprobs
-                if seq.tokens is None and type(token_ids) is array and type(logprobs) is array \
-                        and token_ids.typecode == "i" and logprobs.typecode == "f":
-                    # The hot path (a sequence reporting once, finished): take the
-                    # backend's arrays over (see RequestOutput.token_ids).
-                    seq.tokens, seq.logprobs, seq.version = token_ids, logprobs, version
-                else:
-                    seq.add(token_ids, logprobs, version)
-                if item.on_tokens is not None:
+            request = seq.request
+            if out.token_ids:
+                seq.add(out.token_ids, out.logprobs, version)
+                if request.on_tokens is not None:
                     self._deliver(seq, out, version)
             if out.prompt_logprobs is not None:
-                item.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
+                request.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
             if out.error is not None:
-                self._fail_sample(item, BackendRequestError(
-                    f"request {item.request_id}: backend failed mid-generation: {out.error}"), unknown=True)
+                self._fail_sample(request, BackendRequestError(
+                    f"request {request.request_id}: backend failed mid-generation: {out.error}"), unknown=True,
+                    settled=settled)
             elif out.finished:
                 del seqs[out.request_id]
                 seq.stop_reason = out.stop_reason or "stop"
-                item.remaining -= 1
-                if item.remaining == 0:
-                    self._items.pop(item.request_id, None)
-                    self._complete(item, aborted=False)
+                request.remaining -= 1
+                if request.remaining == 0:
+                    self._requests.pop(request.request_id, None)
+                    self._complete(request, aborted=False, settled=settled)
 
-    def _deliver(self, seq: _Seq, out: RequestOutput, version: int) -> None:
+    def _deliver(self, seq: Sequence, out: RequestOutput, version: int) -> None:
+        request = seq.request
+        assert request.on_tokens is not None
         try:
-            seq.item.on_tokens(seq.index, out.token_ids, out.logprobs, version)
+            request.on_tokens(seq.index, out.token_ids, out.logprobs, version)
         except Exception:  # noqa: BLE001 - a consumer's bug must not kill the sampler
-            log.exception("rlengine: on_tokens callback of request %s failed; streaming stops",
-                          seq.item.request_id)
-            seq.item.on_tokens = None
+            log.exception("rlengine: on_tokens callback of request %s failed; streaming stops", request.request_id)
+            request.on_tokens = None
 
-    def _complete(self, item: SampleItem, aborted: bool) -> None:
-        seqs = item.seqs or ()
-        if len(seqs) == 1:
-            s = seqs[0]
-            sequences: tuple[SampledSequence, ...] = (s.to_sequence(s.stop_reason or "abort"),)
-        else:
-            sequences = tuple([s.to_sequence(s.stop_reason or "abort") for s in seqs])
-        response = SampleResponse(sequences=sequences, request_id=item.request_id,
-                                  prompt_logprobs_raw=item.prompt_logprobs_raw)
-        # Break the item <-> sequence cycle: both are untracked Structs, which the
+    def _complete(self, request: SampleRequest, aborted: bool, settled: list[Outcome] | None = None) -> None:
+        """Settle ``request`` with its sequences; into ``settled`` when given (a step's batch)."""
+        response = SampleResponse(sequences=tuple([s.to_sequence() for s in request.seqs or ()]),
+                                  request_id=request.request_id, prompt_logprobs_raw=request.prompt_logprobs_raw)
+        # Break the request <-> sequence cycle: both are untracked Structs, which the
         # cyclic collector never frees (it would keep every request alive).
-        item.seqs = None
-        if item.lease is not None and item.lease.state != "unknown":
+        request.seqs = None
+        lease = request.lease
+        if lease is not None and lease.state != "unknown":
             # The lease already knows its versions: the one at admission and
             # any it was resumed on after a pause. An abandoned request's lease
             # stays unknown (see ``abandon``).
-            self.sched.release(item.lease, "aborted" if aborted else "completed")
-        if not self.sched.continuous and not aborted:
-            self._wave_hold.append((item, response))
+            self.gate.settle(lease, "aborted" if aborted else "completed")
+        outcome = (request.future, True, response)
+        if not self.gate.continuous and not aborted:
+            self._wave_hold.append(outcome)
+        elif settled is not None:
+            settled.append(outcome)
         else:
-            item.future.set_result(response)
+            settle_all([outcome])
 
-    def _fail_sample(self, item: SampleItem, exc: BaseException, unknown: bool) -> None:
+    def _fail_sample(self, request: SampleRequest, exc: BaseException, unknown: bool,
+                     settled: list[Outcome] | None = None) -> None:
         """Fail a whole sample call; ``unknown`` poisons its lease until written off."""
-        self._items.pop(item.request_id, None)
-        for seq in item.seqs or ():
-            if self._seqs.pop(seq.backend_id, None) is not None:
-                self._to_abort.append(seq.backend_id)
-        self._paused = [s for s in self._paused if s.item is not item]
-        if item.lease is not None:
+        self._forget_sequences(request)
+        lease = request.lease
+        if lease is not None:
             if unknown:
-                item.lease.mark_unknown(str(exc))
-            elif item.lease.state != "unknown":
-                item.lease.settle("failed")
-        item.seqs = None  # the item <-> sequence cycle, as in _complete
-        item.future.set_exception(exc)
+                self.gate.mark_unknown(lease, str(exc))
+            elif lease.state != "unknown":
+                self.gate.settle(lease, "failed")
+        request.seqs = None  # the request <-> sequence cycle, as in _complete
+        if settled is not None:
+            settled.append((request.future, False, exc))
+        else:
+            request.future.set_exception(exc)
 
     # -- blocking work --------------------------------------------------------------
 
     def _pause_in_flight(self) -> None:
         """Pause policy: abort running sequences in the backend, keeping their tokens."""
         leases = []
-        for item in self._items.values():
-            if item.lease is not None and item.lease.state == "active":
-                leases.append(item.lease)
-            for seq in item.seqs or ():
+        for request in self._requests.values():
+            if request.lease is not None and request.lease.state == "active":
+                leases.append(request.lease)
+            for seq in request.seqs or ():
                 if self._seqs.pop(seq.backend_id, None) is not None:
                     self._to_abort.append(seq.backend_id)
                     self._paused.append(seq)
         # Sequences admitted but not yet sent to the backend are paused too:
         # the abort of an id the backend never saw is a no-op.
         self._to_add.clear()
-        self.sched.pause_active(leases)
+        self.gate.pause_active(leases)
 
     def _resume_paused(self) -> None:
         """Continue paused sequences on the (new) weights: prompt + tokens so far."""
         resumed, self._paused = self._paused, []
-        self.sched.resume_paused()
-        version = self.sched.version
+        self.gate.resume_paused()
+        version = self.gate.version
         for seq in resumed:
-            item = seq.item
-            if item.request_id not in self._items:
+            request = seq.request
+            if request.request_id not in self._requests:
                 continue
-            if self.sched.is_stale(item.version):
-                self._fail_sample(item, self.sched.stale_error(item), unknown=False)
+            if self.gate.is_stale(request.version):
+                self._fail_sample(request, self.gate.stale_error(request), unknown=False)
                 continue
-            if version is not None and item.lease is not None:
-                item.lease.add_version(version)
+            if version is not None and request.lease is not None:
+                request.lease.add_version(version)
             seq.seed = derive_seed(seq.seed, seq.length)
             self._seqs[seq.backend_id] = seq
             done = seq.tokens.tobytes() if seq.tokens is not None else b""
-            self._to_add.append(self._backend_request(seq, item.prompt + done, seq.seed))
+            self._to_add.append(self._backend_request(seq, request.spec.prompt + done))
 
-    async def _run_blocking(self, item: BlockingItem) -> None:
+    async def _run_blocking(self, work: BlockingWork) -> None:
         loop = asyncio.get_running_loop()
-        self.sched.pop_head()
-        self.sched.seal()
-        self._running_blocking = item
-        noop = item.noop is not None and item.noop()
+        self.gate.pop_head()
+        self.gate.seal()
+        self._running_blocking = work
+        noop = work.noop is not None and work.noop()
         try:
             if noop:
                 # Nothing to do: in-flight samples keep running, nothing sleeps.
-                result = item.after(None) if item.after is not None else None
+                result = work.after(None) if work.after is not None else None
             else:
                 if self._to_abort or self._to_add:
                     await self._run_step(step=False)
                 if not self.asleep and self.backend.capabilities.sleep:
                     await self.compute.submit(loop, self.backend.sleep, 1)
                     self.asleep = True
-                if item.before is not None:
-                    item.before()
-                result = await self.compute.submit(loop, item.run)
-                if item.after is not None:
-                    result = item.after(result)
+                if work.before is not None:
+                    work.before()
+                result = await self.compute.submit(loop, work.run)
+                if work.after is not None:
+                    result = work.after(result)
         except Exception as exc:  # noqa: BLE001 - blocking work fails its own future only
-            item.future.set_exception(exc)
+            work.future.set_exception(exc)
         else:
-            item.future.set_result(result)
+            work.future.set_result(result)
         finally:
             self._running_blocking = None
-            self.sched.reopen()
+            self.gate.reopen()
             self.blocking_runs += 1
-        # Also after a no-op: it may be the last of a run of blocking items
+        # Also after a no-op: it may be the last of a run of blocking entries
         # that put the sampler to sleep or paused requests.
-        if self.sched.head_blocking() is None and not self._stopping:
+        if self.gate.head_blocking() is None and not self._stopping:
             await self._wake_sampler()
 
     async def _wake_sampler(self) -> None:
-        if self.asleep and self.sched.version is not None:
+        if self.asleep and self.gate.version is not None:
             await self.compute.submit(asyncio.get_running_loop(), self.backend.wake_up)
             self.asleep = False
         if self._paused:
             self._resume_paused()
 
-    def _blocking_ready(self, head: BlockingItem) -> bool:
+    def _blocking_ready(self, head: BlockingWork) -> bool:
         """Whether ``head`` may run now; applies the drain policy and deadline."""
         if head.noop is not None and head.noop():
             return True
-        if self.sched.quiesced:
+        if self.gate.quiesced:
             return True
-        if self.drain_policy == "pause" and self._items:
+        if self.drain_policy == "pause" and self._requests:
             self._pause_in_flight()
-            return self.sched.quiesced
-        assert head.head_since is not None
-        if time.monotonic() - head.head_since > self.drain_timeout_s:
-            self.sched.pop_head()
+            return self.gate.quiesced
+        if self.gate.head_waited() > self.drain_timeout_s:
+            self.gate.pop_head()
             head.future.set_exception(DrainTimeout(
-                f"{head.kind} {head.request_id}: {self.sched.in_flight} lease(s) still running after "
+                f"{head.kind} {head.request_id}: {self.gate.in_flight} lease(s) still running after "
                 f"drain_timeout_s={self.drain_timeout_s}"))
         return False
 
@@ -497,9 +441,9 @@ class SamplerLoop:
     async def serve(self) -> None:
         """Run until ``stop`` (or death); never raises: a crash kills the engine."""
         try:
-            while not (self._stopping and not self._seqs and not len(self.sched)):
+            while not (self._stopping and not self._seqs and not len(self.gate)):
                 self._admit()
-                head = self.sched.head_blocking()
+                head = self.gate.head_blocking()
                 if head is not None and self._blocking_ready(head):
                     await self._run_blocking(head)
                     continue
@@ -509,8 +453,7 @@ class SamplerLoop:
                 if head is not None:
                     # Waiting for external leases to drain: wake on settlement or deadline.
                     self._wake.clear()
-                    assert head.head_since is not None
-                    left = head.head_since + self.drain_timeout_s - time.monotonic()
+                    left = self.drain_timeout_s - self.gate.head_waited()
                     try:
                         await asyncio.wait_for(self._wake.wait(), max(0.0, left) + 0.001)
                     except TimeoutError:
@@ -536,17 +479,16 @@ class SamplerLoop:
             return
         self._stopping = True
         closed = EngineClosed("the engine closed before this request ran")
-        for item in self.sched.drain_pending():
-            self._settle_unstarted(item, closed)
-        for item in list(self._items.values()):
-            self._abort_sample(item)
+        for entry in self.gate.drain_pending():
+            self._settle_unstarted(entry, closed)
+        for request in list(self._requests.values()):
+            self._abort_sample(request)
         self._flush_wave()
         self._signal()
 
     def _flush_wave(self) -> None:
         held, self._wave_hold = self._wave_hold, []
-        for item, response in held:
-            item.future.set_result(response)
+        settle_all(held)
 
     def die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         """Fail every pending and in-flight request at once; later ones fail on arrival."""
@@ -557,27 +499,26 @@ class SamplerLoop:
         self.dead = error
         self._stopping = True
         self._flush_wave()
-        for item in self.sched.drain_pending():
-            item.future.set_exception(error)
-        for item in list(self._items.values()):
-            self._items.pop(item.request_id, None)
-            if item.lease is not None and item.lease.state != "settled":
-                item.lease.mark_unknown(f"engine died: {cause or error}")
-            item.future.set_exception(error)
+        failed: list[Outcome] = [(entry.future, False, error) for entry in self.gate.drain_pending()]
+        for request in list(self._requests.values()):
+            self._requests.pop(request.request_id, None)
+            if request.lease is not None and request.lease.state != "settled":
+                self.gate.mark_unknown(request.lease, f"engine died: {cause or error}")
+            failed.append((request.future, False, error))
         self._seqs.clear()
         self._paused.clear()
         if self._running_blocking is not None:
-            self._running_blocking.future.set_exception(error)
+            failed.append((self._running_blocking.future, False, error))
+        settle_all(failed)
         self._signal()
 
     @property
     def busy(self) -> bool:
-        return bool(self._seqs or self._running_blocking or len(self.sched))
+        return bool(self._seqs or self._running_blocking or len(self.gate))
 
     def describe(self) -> dict[str, Any]:
-        return {"in_flight_sequences": len(self._seqs), "queued": len(self.sched),
+        return {"in_flight_sequences": len(self._seqs), "queued": len(self.gate),
                 "steps": self.steps, "busy_s": self.busy_s, "admitted": self.admitted,
                 "blocking_runs": self.blocking_runs,
                 "asleep": self.asleep,
-                "version": self.sched.version, "sealed": self.sched.sealed}
-
+                "version": self.gate.version, "sealed": self.gate.sealed}

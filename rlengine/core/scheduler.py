@@ -1,27 +1,30 @@
 """Admission control and the request gate: one mechanism, one FIFO.
 
-Everything that wants the sampler goes through a single FIFO of work items:
+Everything that wants the sampler waits in a single FIFO of queued work.
+The scheduler does not know what the work is; it sees each entry through
+four attributes (``Queued``): its ``request_id``, the ``version`` it
+addresses, its ``session_id``, and whether it is ``blocking`` work (forward,
+forward_backward, optim_step, weight install, state save/load, unload) that
+must run with the sampler quiesced. The entries themselves are the sampler
+loop's (``rlengine.core.records``, ``rlengine.core.sampler``).
 
-* ``SampleItem``  - a sample request; admitted into the backend whenever no
-  blocking work is ahead of it, and holding a *lease* while it runs;
-* ``LeaseItem``   - an external lease (a session turn driven from outside);
-  admitted by the same rule, it resolves to the ``Lease`` itself;
-* ``BlockingItem`` - work that must run with the sampler quiesced (forward,
-  forward_backward, optim_step, weight install, state save/load, unload).
-
-A blocking item at the head of the FIFO seals admission: nothing behind it
-is admitted until it has run. It runs once every lease is drained (or, under
-the ``pause`` policy, paused), so samples queued before it finish first and
-samples queued after it start after it: no starvation of either kind.
+The admission rule: a blocking entry at the head of the FIFO seals
+admission, so nothing behind it is admitted until it has run; it runs once
+every lease is drained (or, under the ``pause`` policy, paused). Samples
+queued before it finish first and samples queued after it start after it:
+no starvation of either kind. Admitted entries each get a *lease*.
 
 The request gate is the lease ledger of the same object: ``seal``,
 ``drain``, ``install_version``, ``reopen`` and ``assert_healthy``. A lease
 whose outcome is unknown (the backend failed mid-generation, a client went
 away before settlement) poisons the gate: ``install_version`` raises
-``GatePoisoned`` until the lease is settled or written off, so a weight
-install can never silently straddle a request nobody can account for.
+``GatePoisoned`` until the lease is settled or written off
+(``Scheduler.write_off``), so a weight install can never silently straddle a
+request nobody can account for.
 
-Loop thread only: nothing here locks, blocks or touches the backend.
+This module owns every ``Lease``: it creates them (``admit``), changes their
+state and settles them (``settle``, one path for every outcome). Loop thread
+only: nothing here locks, blocks or touches the backend.
 """
 
 from __future__ import annotations
@@ -31,49 +34,64 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import ClassVar, NamedTuple, Protocol
 
 import msgspec
 
-from rlengine.core.futures import RequestFuture
 from rlengine.errors import DrainTimeout, GateError, GatePoisoned, ModelNotLoaded
-from rlengine.types import Receipt, SamplingParams
+from rlengine.types import Receipt
 
-__all__ = ["BlockingItem", "Lease", "LeaseItem", "SampleItem", "Scheduler"]
+__all__ = ["Admission", "Lease", "Queued", "Scheduler"]
 
 _ACTIVE, _PAUSED, _UNKNOWN, _SETTLED = "active", "paused", "unknown", "settled"
+_OUTCOMES = ("completed", "aborted", "failed", "written_off")
+
+
+class Queued(Protocol):
+    """What the scheduler reads of a queued entry (the sampler's records provide it)."""
+
+    blocking: ClassVar[bool]
+    """Work that runs with the sampler quiesced; it seals admission at the head of the FIFO."""
+    request_id: str
+    version: int | None
+    """The sampler version a non-blocking entry addresses; None follows the latest."""
+    session_id: str | None
 
 
 class Lease(msgspec.Struct, gc=False):
     """A claim on the sampler by one request or session turn.
 
     ``versions`` collects every policy version that produced a token under
-    this lease; ``settle`` turns it into a ``Receipt``. (A ``gc=False``
-    Struct, like the other per-request records here: thousands are in
-    flight, none is part of a reference cycle once it leaves the ledger, and
-    untracked they cost the cyclic collector nothing.)
+    this lease, starting with the one loaded at admission; settling it
+    leaves a ``Receipt``. (A ``gc=False`` Struct,
+    like the other per-request records: thousands are in flight, none is
+    part of a reference cycle once it leaves the ledger, and untracked they
+    cost the cyclic collector nothing.)
     """
 
     gate: Scheduler
     lease_id: int
     session_id: str | None
     request_id: str
+    versions: set[int] | None
     state: str = _ACTIVE
-    versions: set[int] | None = None
     reason: str = ""
 
     def __repr__(self) -> str:
         return f"<Lease {self.lease_id} {self.request_id} {self.state}>"
 
     def add_version(self, version: int) -> None:
+        """A token under this lease was (or will be) produced by ``version``."""
         if self.versions is None:
             self.versions = {version}
         else:
             self.versions.add(version)
 
     def settle(self, outcome: str, versions: Iterable[int] = ()) -> Receipt:
-        """Settle with ``completed``, ``aborted`` or ``failed``; returns the receipt."""
-        return self.gate.settle(self, outcome, versions)
+        """Settle with ``completed``, ``aborted`` or ``failed``; returns the receipt
+        (for holders of an external lease: ``Engine.lease``)."""
+        self.gate.settle(self, outcome, versions)
+        return self.gate.receipt_of(self.lease_id)
 
     def mark_unknown(self, reason: str) -> None:
         """The outcome cannot be known: keep the lease, poisoning the gate."""
@@ -87,71 +105,20 @@ Lease itself, which holds its gate: the receipts need none of that."""
 
 def _receipt(settled: _Settled) -> Receipt:
     lease_id, request_id, session_id, known, outcome = settled
-    ordered = ([*known] if len(known) == 1 else sorted(known)) if known else []
-    return Receipt(lease_id=lease_id, request_id=request_id, session_id=session_id, versions=ordered,
-                   outcome=outcome)  # type: ignore[arg-type]
+    return Receipt(lease_id=lease_id, request_id=request_id, session_id=session_id,
+                   versions=sorted(known) if known else [], outcome=outcome)  # type: ignore[arg-type]
 
 
-class SampleItem(msgspec.Struct, gc=False):
-    """A queued ``sample`` call (``num_samples`` sequences, one future)."""
+class Admission(NamedTuple):
+    """What one ``admit`` let through: ``admitted[i]`` holds ``leases[i]``; ``stale``
+    entries address a version that is not loaded (fail them with ``stale_error``)."""
 
-    request_id: str
-    prompt: bytes
-    params: SamplingParams
-    num_samples: int
-    version: int | None
-    """The sampler version this request addresses; None follows the latest."""
-    session_id: str | None
-    prompt_logprobs: bool
-    future: RequestFuture[Any]
-    lease: Lease | None = None
-    seqs: list[Any] | None = None
-    remaining: int = 0
-    prompt_logprobs_raw: bytes | None = None
-    on_tokens: Any = None
-    """``on_tokens(index, token_ids, logprobs, version)`` on the loop thread as
-    sequence ``index`` produces tokens (streaming); None: report once, finished."""
+    admitted: list[Queued]
+    leases: list[Lease]
+    stale: list[Queued]
 
 
-class LeaseItem:
-    """A queued request for an external lease; its future resolves to the Lease."""
-
-    __slots__ = ("request_id", "session_id", "version", "future", "lease")
-
-    def __init__(self, request_id: str, session_id: str | None, version: int | None,
-                 future: RequestFuture[Any]) -> None:
-        self.request_id = request_id
-        self.session_id = session_id
-        self.version = version
-        self.future = future
-        self.lease: Lease | None = None
-
-
-class BlockingItem:
-    """Work that runs on the compute thread with the sampler quiesced.
-
-    ``run`` executes on the compute thread; ``before``/``after`` (optional)
-    on the loop thread around it; ``noop`` (optional, loop thread) says at
-    the head of the queue whether the item would do nothing, in which case
-    it runs without draining.
-    """
-
-    __slots__ = ("request_id", "kind", "run", "future", "noop", "before", "after", "head_since")
-
-    def __init__(self, request_id: str, kind: str, run: Callable[[], Any], future: RequestFuture[Any],
-                 noop: Callable[[], bool] | None = None, before: Callable[[], None] | None = None,
-                 after: Callable[[Any], Any] | None = None) -> None:
-        self.request_id = request_id
-        self.kind = kind
-        self.run = run
-        self.future = future
-        self.noop = noop
-        self.before = before
-        self.after = after
-        self.head_since: float | None = None
-
-
-Item = SampleItem | LeaseItem | BlockingItem
+_NOTHING = Admission([], [], [])
 
 
 class Scheduler:
@@ -161,13 +128,15 @@ class Scheduler:
         self.continuous = continuous
         self.version = version
         """The policy version loaded in the sampler; None when unloaded."""
-        self._pending: deque[Item] = deque()
+        self._pending: deque[Queued] = deque()
         self._seals = 0
         self._ids = itertools.count(1)
         self._active: dict[int, Lease] = {}
         self._paused: dict[int, Lease] = {}
         self._unknown: dict[int, Lease] = {}
         self._drain_waiters: list[asyncio.Future[None]] = []
+        self._head: tuple[Queued, float] | None = None
+        """The blocking entry at the head of the FIFO, and since when it has been there."""
         self.on_drained: Callable[[], None] | None = None
         """Called whenever the last running lease ends (the sampler loop wakes on it)."""
         self._settled: deque[_Settled] = deque(maxlen=receipts_kept)
@@ -175,74 +144,83 @@ class Scheduler:
 
     # -- the FIFO -------------------------------------------------------------
 
-    def submit(self, item: Item) -> None:
-        self._pending.append(item)
+    def submit(self, entry: Queued) -> None:
+        self._pending.append(entry)
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def pending(self) -> Iterable[Item]:
-        return iter(self._pending)
-
-    def remove(self, request_id: str) -> Item | None:
-        """Take a not-yet-admitted item out of the FIFO (abort before start)."""
-        for item in self._pending:
-            if item.request_id == request_id:
-                self._pending.remove(item)
-                return item
+    def remove(self, request_id: str) -> Queued | None:
+        """Take a not-yet-admitted entry out of the FIFO (abort before start)."""
+        for entry in self._pending:
+            if entry.request_id == request_id:
+                self._pending.remove(entry)
+                return entry
         return None
 
-    def drain_pending(self) -> list[Item]:
-        items = list(self._pending)
+    def drain_pending(self) -> list[Queued]:
+        entries = list(self._pending)
         self._pending.clear()
-        return items
+        return entries
 
     def is_stale(self, version: int | None) -> bool:
+        """Whether work addressed to ``version`` cannot run on what is loaded."""
         return self.version is None or (version is not None and version != self.version)
 
-    def admit(self) -> tuple[list[SampleItem | LeaseItem], list[SampleItem | LeaseItem]]:
-        """Admit what the rule allows: ``(admitted, stale)``.
+    def admit(self) -> Admission:
+        """Admit what the rule allows: every non-blocking entry up to the first blocking one.
 
-        Stale items (addressed to a version that is not loaded) are filtered
-        first and returned for failing with ``ModelNotLoaded``: they never
-        reach the backend and never trigger a bring-up. In wave mode
-        (``continuous=False``) a new wave starts only when the previous one
-        has fully finished.
+        Stale entries are filtered first and returned for failing with
+        ``ModelNotLoaded``: they never reach the backend and never trigger a
+        bring-up. In wave mode (``continuous=False``) a new wave starts only
+        when the previous one has fully finished.
         """
-        if self._seals or not self._pending or isinstance(self._pending[0], BlockingItem):
-            return [], []
+        pending = self._pending
+        if self._seals or not pending or pending[0].blocking:
+            return _NOTHING
         if not self.continuous and (self._active or self._paused):
-            return [], []
-        admitted: list[SampleItem | LeaseItem] = []
-        stale: list[SampleItem | LeaseItem] = []
-        pending, active, ids, loaded = self._pending, self._active, self._ids, self.version
-        # The per-request hot path: ``is_stale`` inlined, and the only place leases are made.
-        while pending and type(pending[0]) is not BlockingItem:
-            item = pending.popleft()
-            if loaded is None or (item.version is not None and item.version != loaded):
-                stale.append(item)
-                continue
-            lease_id = next(ids)
-            item.lease = active[lease_id] = Lease(self, lease_id, item.session_id, item.request_id)
-            admitted.append(item)
-        return admitted, stale
+            return _NOTHING
+        admission = Admission([], [], [])
+        while pending and not pending[0].blocking:
+            entry = pending.popleft()
+            if self.is_stale(entry.version):
+                admission.stale.append(entry)
+            else:
+                admission.admitted.append(entry)
+                admission.leases.append(self._lease(entry))
+        return admission
 
-    def stale_error(self, item: SampleItem | LeaseItem) -> ModelNotLoaded:
+    def _lease(self, entry: Queued) -> Lease:
+        lease_id = next(self._ids)
+        versions = None if self.version is None else {self.version}
+        lease = self._active[lease_id] = Lease(self, lease_id, entry.session_id, entry.request_id, versions)
+        return lease
+
+    def stale_error(self, entry: Queued) -> ModelNotLoaded:
         if self.version is None:
-            return ModelNotLoaded(f"request {item.request_id}: no model is loaded (it was unloaded)")
+            return ModelNotLoaded(f"request {entry.request_id}: no model is loaded (it was unloaded)")
         return ModelNotLoaded(
-            f"request {item.request_id}: sampler version {item.version} is not loaded "
+            f"request {entry.request_id}: sampler version {entry.version} is not loaded "
             f"(loaded: {self.version}); get a new sampling client")
 
-    def head_blocking(self) -> BlockingItem | None:
-        if self._pending and isinstance(self._pending[0], BlockingItem):
+    def head_blocking(self) -> Queued | None:
+        """The blocking entry at the head of the FIFO, if one is there."""
+        if self._pending and self._pending[0].blocking:
             head = self._pending[0]
-            if head.head_since is None:
-                head.head_since = time.monotonic()
+            if self._head is None or self._head[0] is not head:
+                self._head = (head, time.monotonic())
             return head
         return None
 
-    def pop_head(self) -> Item:
+    def head_waited(self) -> float:
+        """Seconds the current blocking head has waited there (0 if there is none)."""
+        if self.head_blocking() is None:
+            return 0.0
+        assert self._head is not None
+        return time.monotonic() - self._head[1]
+
+    def pop_head(self) -> Queued:
+        self._head = None
         return self._pending.popleft()
 
     # -- leases ---------------------------------------------------------------
@@ -257,15 +235,18 @@ class Scheduler:
         return not self._active
 
     def _forget(self, lease: Lease) -> None:
+        """Take ``lease`` out of the ledger of its state."""
         state = lease.state
         if state is _ACTIVE:
             del self._active[lease.lease_id]
+            if not self._active:
+                self._notify_drained()
         elif state is _PAUSED:
             del self._paused[lease.lease_id]
         elif state is _UNKNOWN:
             del self._unknown[lease.lease_id]
-        if not self._active:
-            self._notify_drained()
+        else:
+            raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
 
     def _notify_drained(self) -> None:
         if self._active:
@@ -278,29 +259,25 @@ class Scheduler:
                 if not w.done():
                     w.set_result(None)
 
-    def settle(self, lease: Lease, outcome: str, versions: Iterable[int] = ()) -> Receipt:
-        if lease.state == _SETTLED:
-            raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
-        if outcome not in ("completed", "aborted", "failed", "written_off"):
+    def settle(self, lease: Lease, outcome: str, versions: Iterable[int] = ()) -> None:
+        """Settle ``lease`` with ``outcome`` (completed, aborted, failed or written_off).
+
+        The one way a lease ends; its receipt is built when asked for
+        (``receipt_of``, ``receipts``)."""
+        if outcome not in _OUTCOMES:
             raise GateError(f"outcome={outcome!r}: must be completed, aborted, failed or written_off")
+        self._forget(lease)
         if versions:
             lease.versions = set(versions) if lease.versions is None else lease.versions | set(versions)
-        self.release(lease, outcome)
-        return _receipt(self._settled[-1])
-
-    def release(self, lease: Lease, outcome: str) -> None:
-        """``settle`` without building the receipt now (the sampler's hot path; ``outcome`` unchecked)."""
-        state = lease.state
-        if state is _ACTIVE:  # the hot path: _forget inlined
-            del self._active[lease.lease_id]
-            if not self._active:
-                self._notify_drained()
-        elif state is _SETTLED:
-            raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
-        else:
-            self._forget(lease)
         lease.state = _SETTLED
         self._settled.append((lease.lease_id, lease.request_id, lease.session_id, lease.versions, outcome))
+
+    def receipt_of(self, lease_id: int) -> Receipt:
+        """The receipt of a settled lease still among the latest ``receipts_kept``."""
+        for settled in reversed(self._settled):
+            if settled[0] == lease_id:
+                return _receipt(settled)
+        raise GateError(f"lease_id={lease_id}: no receipt kept for it (not settled, or too old)")
 
     @property
     def receipts(self) -> list[Receipt]:
@@ -308,10 +285,8 @@ class Scheduler:
         return [_receipt(settled) for settled in self._settled]
 
     def mark_unknown(self, lease: Lease, reason: str) -> None:
-        if lease.state == _SETTLED:
-            raise GateError(f"lease {lease.lease_id} ({lease.request_id}) is already settled")
-        lease.reason = reason
         self._forget(lease)
+        lease.reason = reason
         lease.state = _UNKNOWN
         self._unknown[lease.lease_id] = lease
 
@@ -320,7 +295,8 @@ class Scheduler:
         lease = self._unknown.get(lease_id)
         if lease is None:
             raise GateError(f"lease_id={lease_id}: no lease with an unknown outcome has that id")
-        return self.settle(lease, "written_off")
+        self.settle(lease, "written_off")
+        return self.receipt_of(lease_id)
 
     def unknown_leases(self) -> list[Lease]:
         return list(self._unknown.values())

@@ -62,8 +62,9 @@ from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, captur
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.errors import DataExhausted, RunInterrupted, StageTimeout
 from rlengine.rl.metrics import RunLog, reward_stats
-from rlengine.rl.rollouts import mix_seed, rollout_group
+from rlengine.rl.rollouts import rollout_group
 from rlengine.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
+from rlengine.seeding import mix_seed
 from rlengine.types import AdamParams, Datum, SamplingParams
 
 __all__ = ["TrainingRun"]

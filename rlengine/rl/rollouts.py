@@ -49,25 +49,12 @@ from rlengine.rl.types import (
     TrajectoryGroup,
     Transition,
 )
+from rlengine.seeding import mix_seed
 from rlengine.types import SampledSequence, SamplingParams
 
-__all__ = ["mix_seed", "rollout_group", "run_episode"]
+__all__ = ["rollout_group", "run_episode"]
 
 log = logging.getLogger("rlengine")
-
-_M64 = 0xFFFFFFFFFFFFFFFF
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix64 over the parts): stable across runs and processes."""
-    z = 0x243F6A8885A308D3
-    for part in parts:
-        z = (z ^ (part & _M64)) * 0x9E3779B97F4A7C15 & _M64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-        z ^= z >> 31
-    return z & ((1 << 63) - 1)
-
 
 def _failure(stage: str, exc: BaseException, turn: int) -> AttemptFailure:
     return AttemptFailure(stage=stage, error=type(exc).__name__, message=str(exc)[:500], turn=turn)

@@ -3,7 +3,7 @@
 A session is one agent's conversation. It is opened with an unguessable
 token that every later request must carry; one session can neither read nor
 extend another's trace. Its turns run on the replica the ``SessionRouter``
-pinned it to, each as ``engine.sample(..., session_id=...)``, so each holds
+pinned it to, each validated and submitted by the engine (``Engine.submit_sample``), so each holds
 a gate lease from admission to settlement: a weight install seals, drains
 (or pauses) and reopens around it, and the session's next turn waits at the
 gate and runs on the new version, every sampled token recording its version.
@@ -251,14 +251,8 @@ class SessionManager:
 
     def generate(self, session: Session, prompt: bytes, params: SamplingParams, n: int = 1,
                  on_tokens: OnTokens | None = None) -> RequestFuture[TurnResult]:
-        """Sample a token turn: ``prompt`` is the whole conversation as raw int32."""
-        if not isinstance(prompt, (bytes, bytearray, memoryview)) or len(prompt) % 4:
-            raise InvalidRequest("tokens_raw", len(prompt) if hasattr(prompt, "__len__") else prompt,
-                                 "must be raw int32 bytes (a multiple of 4)")
-        prompt = bytes(prompt)
-        if prompt and int(np.frombuffer(prompt, dtype=np.int32).min()) < 0:
-            raise InvalidRequest("tokens_raw", int(np.frombuffer(prompt, dtype=np.int32).min()),
-                                 "token ids must be >= 0")
+        """Sample a token turn: ``prompt`` is the whole conversation as raw int32 (the
+        engine checks it, like every prompt)."""
 
         def record(resp: SampleResponse, request_id: str) -> list[Choice]:
             return self._record_tokens(session, prompt, resp, request_id)
@@ -287,15 +281,16 @@ class SessionManager:
         router = self.router
         replica = router.pin(session.session_id) if session is not None else router.least_loaded()
         engine = router.engines[replica]
-        sample = engine.sample(ModelInput(tokens_raw=prompt), n, params,
-                               session_id=None if session is None else session.session_id, on_tokens=on_tokens)
+        spec = engine.validate_sample(ModelInput(tokens_raw=prompt), n, params)
+        sample = engine.submit_sample(spec, session_id=None if session is None else session.session_id,
+                                      on_tokens=on_tokens)
         request_id = sample.request_id
         router.started(replica)
         self._turns[request_id] = (replica, session)
         if session is not None:
             session.in_flight[request_id] = replica
 
-        def settled(_f: RequestFuture[SampleResponse]) -> None:
+        def settled(_f: RequestFuture[TurnResult]) -> None:
             router.finished(replica)
             self._turns.pop(request_id, None)
             if session is not None:
@@ -313,8 +308,12 @@ class SessionManager:
             return TurnResult(request_id=request_id, replica=replica, prompt_tokens=len(prompt) // 4,
                               choices=choices)
 
-        sample.add_done_callback(settled)
-        return sample.then(finish)
+        # Recording renders, tokenizes and stores in the trie: out of the
+        # sampler's settlement chain, in a callback of its own (see core.futures).
+        # The turn is in flight until it is recorded and its result settled.
+        turn = sample.then(finish, defer=True)
+        turn.add_done_callback(settled)
+        return turn
 
     @staticmethod
     def _choice(seq: Any, content: str | None) -> Choice:

@@ -37,12 +37,13 @@ import numpy as np
 
 from rlengine.core.engine import Engine
 from rlengine.core.futures import RequestFuture
-from rlengine.errors import InvalidRequest, ModelNotLoaded, RequestAborted
+from rlengine.core.records import SampleSpec
+from rlengine.errors import ModelNotLoaded, RequestAborted
 from rlengine.tinker_api.errors import Gone
 from rlengine.tinker_api.futures import CompletionLog
-from rlengine.types import ModelInput, SampleResponse, SamplingParams
+from rlengine.types import SampleResponse
 
-__all__ = ["BASE", "SampleCall", "SamplerWeights", "SamplingSession", "Snapshot", "check_prompt"]
+__all__ = ["BASE", "SampleCall", "SamplerWeights", "SamplingSession", "Snapshot"]
 
 BASE = "base"
 """The key of the base model's weights (the model directory's own)."""
@@ -233,23 +234,18 @@ class SampleCall:
         "cancelled",
         "engine_rid",
         "expected",
-        "num_samples",
         "out",
-        "params",
-        "prompt",
-        "prompt_logprobs",
         "session",
+        "spec",
         "weights",
     )
 
-    def __init__(self, weights: SamplerWeights, session: SamplingSession, prompt: ModelInput, num_samples: int,
-                 params: SamplingParams, prompt_logprobs: bool, out: RequestFuture[SampleResponse]) -> None:
+    def __init__(self, weights: SamplerWeights, session: SamplingSession, spec: SampleSpec,
+                 out: RequestFuture[SampleResponse]) -> None:
         self.weights = weights
         self.session = session
-        self.prompt = prompt
-        self.num_samples = num_samples
-        self.params = params
-        self.prompt_logprobs = prompt_logprobs
+        self.spec = spec
+        """The call, validated by the engine when it arrived (``Engine.validate_sample``)."""
         self.out = out
         self.engine_rid: str | None = None
         self.cancelled = False
@@ -267,9 +263,8 @@ class SampleCall:
             else:
                 self.expected = weights.queue_install(weights.target_of(self.session))
                 version = None
-            future = weights.engine.sample(self.prompt, self.num_samples, self.params, version=version,
-                                           session_id=self.session.sampling_session_id,
-                                           include_prompt_logprobs=self.prompt_logprobs)
+            future = weights.engine.submit_sample(self.spec, version=version,
+                                                  session_id=self.session.sampling_session_id)
         except Exception as exc:  # noqa: BLE001 - a refused submission fails this call
             self.out.set_exception(exc)
             return
@@ -311,16 +306,3 @@ class SampleCall:
         self.cancelled = True
         if self.engine_rid is not None:
             self.weights.engine.abort(self.engine_rid)
-
-
-def check_prompt(engine: Engine, prompt: ModelInput, field: str) -> None:
-    """The engine's prompt checks, at submission (a call that must install first submits later)."""
-    n = prompt.length
-    backend = engine.backend
-    if n == 0:
-        raise InvalidRequest(field, "[]", "must hold at least one token")
-    if n >= backend.max_model_len:
-        raise InvalidRequest(f"{field}.length", n, f"must be < the model's context length {backend.max_model_len}")
-    top = int(prompt.to_numpy().max())
-    if top >= backend.vocab_size:
-        raise InvalidRequest(field, top, f"token id >= vocab size {backend.vocab_size}")

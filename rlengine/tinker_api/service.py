@@ -41,7 +41,7 @@ from rlengine.tinker_api.config import TinkerServerConfig
 from rlengine.tinker_api.errors import Forbidden, Gone, LimitExceeded, NotSupported, UnknownResource, failure_category
 from rlengine.tinker_api.futures import FutureEntry, FuturesTable, wait_settled
 from rlengine.tinker_api.proto import FwdBwdRequest, encode_forward_backward_output, encode_sample_response
-from rlengine.tinker_api.sampling import BASE, SampleCall, SamplerWeights, SamplingSession, Snapshot, check_prompt
+from rlengine.tinker_api.sampling import BASE, SampleCall, SamplerWeights, SamplingSession, Snapshot
 from rlengine.tinker_api.training import TrainingModel, build_trainer, snapshot_weights, take_snapshot
 from rlengine.trainer.losses import validate_data
 from rlengine.types import ForwardBackwardOutput, SampleResponse
@@ -597,14 +597,10 @@ class TinkerService:
             if value != off:
                 raise NotSupported(field, value, "not supported by rlengine")
         n = body.num_samples
-        if isinstance(n, bool) or n < 1:
-            raise InvalidRequest("num_samples", n, "must be an integer >= 1")
         prompt = wire.model_input(body.prompt, "prompt")
-        check_prompt(self.engine, prompt, "prompt")
-        params = wire.sampling_params(body.sampling_params)
-        if params.stop_strings and not self.engine.backend.capabilities.stop_strings:
-            raise InvalidRequest("sampling_params.stop", params.stop, "this backend has no stop strings")
         want_lps = bool(body.prompt_logprobs)
+        spec = self.engine.validate_sample(prompt, n, wire.sampling_params(body.sampling_params),
+                                           include_prompt_logprobs=want_lps)
         last_n = body.prompt_logprobs_last_n
         if last_n is not None and (not want_lps or not 1 <= last_n <= prompt.length - 1):
             raise InvalidRequest("prompt_logprobs_last_n", last_n, f"needs prompt_logprobs and must be in "
@@ -613,7 +609,7 @@ class TinkerService:
             rid = ss.seen[body.seq_id]
             return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
         entry = self.futures.add("sample", owner, _sample_renderer(last_n))
-        call = SampleCall(self.weights, ss, prompt, n, params, want_lps, entry.future)
+        call = SampleCall(self.weights, ss, spec, entry.future)
         entry.cancel = call.cancel
         if body.seq_id is not None:
             ss.remember(body.seq_id, entry.request_id)

@@ -16,7 +16,8 @@ import pytest
 
 import rlengine as rle
 from rlengine.backends.base import BackendRequest
-from rlengine.backends.sim import SimBackend, _mix, decode_sim_token
+from rlengine.backends.sim import SimBackend, decode_sim_token
+from rlengine.seeding import mix
 from rlengine.trainer.losses import clip_thresholds, elementwise
 from rlengine.trainer.sim import SimTrainer
 
@@ -230,7 +231,7 @@ def test_sim_lognormal_lengths_are_seeded_and_heavy_tailed():
 
 def test_sampled_tokens_are_the_scalar_hash_of_seed_and_position():
     """The backend draws a batch's tokens vectorized; each must equal the
-    scalar reference ``_mix(seed, pos) % vocab`` (seeds of any sign and size,
+    scalar reference ``mix(seed, pos) % vocab`` (seeds of any sign and size,
     sequences of different lengths in one batch)."""
     vocab = 1000
     b = SimBackend(rle.SimConfig(vocab_size=vocab, gen_len=50))
@@ -244,7 +245,7 @@ def test_sampled_tokens_are_the_scalar_hash_of_seed_and_position():
         for out in b.step():
             got[out.request_id] = list(out.token_ids)
     for i, (seed, n) in enumerate(zip(seeds, lengths)):
-        assert got[f"r{i}"] == [_mix(seed, pos) % vocab for pos in range(n)], (seed, n)
+        assert got[f"r{i}"] == [mix(seed, pos) % vocab for pos in range(n)], (seed, n)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

@@ -1,7 +1,10 @@
 """rlengine.core.scheduler: the FIFO admission rule and the lease ledger (request gate).
 
-Pure state, no engine: a hypothesis state machine drives random interleavings
-and checks the rule against a plain reference of what must be admitted.
+Pure state, no engine: the scheduler sees queued work only through
+``Queued`` (request id, version, session, blocking), so plain tickets stand
+in for the sampler's records. A hypothesis state machine drives random
+interleavings and checks the rule against a plain reference of what must be
+admitted.
 """
 
 from __future__ import annotations
@@ -15,33 +18,49 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import rlengine as rle
-from rlengine.core.futures import RequestFuture
-from rlengine.core.scheduler import BlockingItem, LeaseItem, SampleItem, Scheduler
+from rlengine.core.scheduler import Scheduler
 
 
-def sample(rid: str, version: int | None = None, session: str | None = None) -> SampleItem:
-    return SampleItem(rid, b"\x01\x00\x00\x00", rle.SamplingParams(), 1, version, session, False,
-                      RequestFuture(rid))
+class Ticket:
+    """What the scheduler reads of queued work, and the lease admission gave it."""
+
+    def __init__(self, rid: str, version: int | None, session: str | None, blocking: bool) -> None:
+        self.request_id, self.version, self.session_id, self.blocking = rid, version, session, blocking
+        self.lease = None
 
 
-def blocking(rid: str) -> BlockingItem:
-    return BlockingItem(rid, "forward_backward", lambda: None, RequestFuture(rid))
+def sample(rid: str, version: int | None = None, session: str | None = None) -> Ticket:
+    return Ticket(rid, version, session, False)
+
+
+def blocking(rid: str) -> Ticket:
+    return Ticket(rid, None, None, True)
+
+
+def admit(s: Scheduler) -> tuple[list[Ticket], list[Ticket]]:
+    """``s.admit()`` as (admitted, stale), each admitted ticket holding its lease."""
+    admission = s.admit()
+    assert len(admission.admitted) == len(admission.leases)
+    for ticket, lease in zip(admission.admitted, admission.leases):
+        assert lease.request_id == ticket.request_id and lease.session_id == ticket.session_id
+        ticket.lease = lease
+    return admission.admitted, admission.stale
 
 
 def test_samples_before_blocking_admitted_after_wait():
     s = Scheduler()
     for item in (sample("a"), sample("b"), blocking("B"), sample("c")):
         s.submit(item)
-    admitted, stale = s.admit()
+    admitted, stale = admit(s)
     assert [i.request_id for i in admitted] == ["a", "b"] and stale == []
     assert s.head_blocking().request_id == "B"
-    assert s.admit() == ([], [])  # c waits behind B
+    assert admit(s) == ([], [])  # c waits behind B
     assert s.in_flight == 2 and not s.quiesced
     for item in admitted:
         item.lease.settle("completed", [0])
     assert s.quiesced
     s.pop_head()
-    assert [i.request_id for i in s.admit()[0]] == ["c"]
+    assert [i.request_id for i in admit(s)[0]] == ["c"]
 
 
 def test_seal_blocks_admission_and_counts_nesting():
@@ -49,11 +68,11 @@ def test_seal_blocks_admission_and_counts_nesting():
     s.seal()
     s.seal()
     s.submit(sample("a"))
-    assert s.admit() == ([], [])
+    assert admit(s) == ([], [])
     s.reopen()
-    assert s.admit() == ([], [])
+    assert admit(s) == ([], [])
     s.reopen()
-    assert [i.request_id for i in s.admit()[0]] == ["a"]
+    assert [i.request_id for i in admit(s)[0]] == ["a"]
     with pytest.raises(rle.GateError, match="without a matching seal"):
         s.reopen()
 
@@ -63,18 +82,19 @@ def test_stale_requests_filtered_first():
     s.submit(sample("old", version=1))
     s.submit(sample("pinned", version=2))
     s.submit(sample("latest", version=None))
-    admitted, stale = s.admit()
+    admitted, stale = admit(s)
     assert [i.request_id for i in admitted] == ["pinned", "latest"]
     assert [i.request_id for i in stale] == ["old"]
     assert "version 1 is not loaded" in str(s.stale_error(stale[0]))
     assert stale[0].lease is None  # never leased, never reaches the backend
+    assert s.in_flight == 2
 
 
 def test_unloaded_model_makes_everything_stale():
     s = Scheduler(version=None)
     s.submit(sample("a"))
-    s.submit(LeaseItem("l", "sess", None, RequestFuture("l")))
-    admitted, stale = s.admit()
+    s.submit(sample("l", session="sess"))
+    admitted, stale = admit(s)
     assert admitted == [] and len(stale) == 2
     assert "unloaded" in str(s.stale_error(stale[0]))
 
@@ -83,35 +103,36 @@ def test_wave_mode_waits_for_whole_wave():
     s = Scheduler(continuous=False)
     s.submit(sample("a"))
     s.submit(sample("b"))
-    wave, _ = s.admit()
+    wave, _ = admit(s)
     s.submit(sample("c"))
-    assert s.admit() == ([], [])
+    assert admit(s) == ([], [])
     wave[0].lease.settle("completed")
-    assert s.admit() == ([], [])  # b still running
+    assert admit(s) == ([], [])  # b still running
     wave[1].lease.settle("completed")
-    assert [i.request_id for i in s.admit()[0]] == ["c"]
+    assert [i.request_id for i in admit(s)[0]] == ["c"]
 
 
 def test_receipts_and_double_settle():
     s = Scheduler()
     s.submit(sample("a", session="s1"))
-    (item,), _ = s.admit()
+    (item,), _ = admit(s)
     receipt = item.lease.settle("completed", [3, 1])
+    # The version loaded at admission (0) and those the holder reports, sorted.
     assert receipt == rle.Receipt(lease_id=item.lease.lease_id, request_id="a", session_id="s1",
-                                  versions=[1, 3], outcome="completed")
+                                  versions=[0, 1, 3], outcome="completed")
     assert s.receipts[-1] == receipt
     with pytest.raises(rle.GateError, match="already settled"):
         item.lease.settle("completed")
     with pytest.raises(rle.GateError, match="outcome="):
         s.submit(sample("b"))
-        (b,), _ = s.admit()
+        (b,), _ = admit(s)
         b.lease.settle("fine")
 
 
 def test_poison_barrier_until_written_off():
     s = Scheduler(version=0)
     s.submit(sample("a", session="agent-7"))
-    (item,), _ = s.admit()
+    (item,), _ = admit(s)
     item.lease.mark_unknown("client went away")
     assert s.quiesced  # an unknown lease is not running...
     s.seal()
@@ -130,7 +151,7 @@ def test_poison_barrier_until_written_off():
 def test_install_needs_seal_drain_and_increasing_version():
     s = Scheduler(version=0)
     s.submit(sample("a"))
-    (item,), _ = s.admit()
+    (item,), _ = admit(s)
     with pytest.raises(rle.GateError, match="sealed"):
         s.install_version(1)
     s.seal()
@@ -147,7 +168,7 @@ def test_install_needs_seal_drain_and_increasing_version():
 def test_paused_leases_count_as_drained():
     s = Scheduler(version=0)
     s.submit(sample("a"))
-    (item,), _ = s.admit()
+    (item,), _ = admit(s)
     s.pause_active([item.lease])
     assert s.quiesced and item.lease.state == "paused"
     s.seal()
@@ -160,13 +181,13 @@ def test_drain_waits_for_settlement_or_deadline():
     async def main() -> None:
         s = Scheduler()
         s.submit(sample("a"))
-        (item,), _ = s.admit()
+        (item,), _ = admit(s)
         loop = asyncio.get_running_loop()
         loop.call_later(0.02, item.lease.settle, "completed")
         await s.drain(time.monotonic() + 5)
         assert s.quiesced
         s.submit(sample("b"))
-        s.admit()
+        admit(s)
         t0 = time.monotonic()
         with pytest.raises(rle.DrainTimeout, match="b"):
             await s.drain(time.monotonic() + 0.05)
@@ -208,8 +229,8 @@ class FifoMachine(RuleBasedStateMachine):
         self.ref.append((rid, "blocking", None))
 
     @rule()
-    def admit(self):
-        admitted, stale = self.s.admit()
+    def admit_what_may_run(self):
+        admitted, stale = admit(self.s)
         expect_admitted, expect_stale = [], []
         if not self.s.sealed:
             while self.ref and self.ref[0][1] == "sample":
@@ -249,7 +270,7 @@ class FifoMachine(RuleBasedStateMachine):
     @rule()
     def seal_and_reopen(self):
         self.s.seal()
-        assert self.s.admit() == ([], [])
+        assert admit(self.s) == ([], [])
         self.s.reopen()
 
     @invariant()

@@ -11,6 +11,7 @@ installs between and during turns).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -334,3 +335,41 @@ def test_abandoning_a_request_that_never_started_poisons_nothing(sim):
     assert lease.lease_id == lease_id and lease.reason == "client gone"
     engine.write_off(lease_id).result(WAIT)
     assert sim.on_loop(engine.gate.unknown_leases) == []
+
+
+def test_recording_a_turn_runs_outside_the_samplers_settlement_chain(sim):
+    """Rendering, tokenizing and storing a turn happen in a callback of their own
+    (``then(defer=True)``), never inside the sampler's step settlement, so one turn's
+    bookkeeping cannot hold up the settlement of the others (rlengine.core.futures)."""
+    sessions = sim.sessions
+    chain = {("sampler.py", "_apply"), ("sampler.py", "_run_step"), ("sampler.py", "_complete"),
+             ("futures.py", "settle_all"), ("futures.py", "_run_callbacks"), ("futures.py", "_settle")}
+    calls: list[tuple[str, bool]] = []
+
+    def watched(name, fn):
+        def call(*args, **kwargs):
+            frame, inside = sys._getframe(1), False
+            while frame is not None:
+                code = frame.f_code
+                inside |= (code.co_filename.rsplit("/", 1)[-1], code.co_name) in chain
+                frame = frame.f_back
+            calls.append((name, inside))
+            return fn(*args, **kwargs)
+        return call
+
+    store, renderer = sessions.store, sessions.renderer
+    patched = {(store, "append_turn"), (renderer, "render"), (renderer, "encode"), (renderer, "decode")}
+    originals = {(obj, name): getattr(obj, name) for obj, name in patched}
+    sim.on_loop(lambda: [setattr(obj, name, watched(name, fn)) for (obj, name), fn in originals.items()])
+    try:
+        sid, token = session(sim)
+        with Client(sim.ipc_path, timeout=WAIT) as c:
+            s = c.session(sid, token)
+            reply = s.chat([{"role": "user", "content": "hi"}], max_tokens=3, n=2)
+            s.generate([*b"hi", *reply.choices[0].tokens], max_tokens=2)
+    finally:
+        sim.on_loop(lambda: [setattr(obj, name, fn) for (obj, name), fn in originals.items()])
+    recorded = [name for name, _ in calls]
+    assert recorded.count("append_turn") == (1 + 2) + (1 + 1)  # each turn's prompt, then its samples
+    assert "render" in recorded and "encode" in recorded and "decode" in recorded
+    assert [c for c in calls if c[1]] == []
