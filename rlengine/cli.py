@@ -43,8 +43,20 @@ def info() -> dict[str, Any]:
         "auto_backend": _auto_backend(),
         "extensions": {"trie": _trie_implementation()},
         "continuous_sampling": continuous_sampling_from_env(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "torch_threads": _torch_threads(),
     }
+
+
+def _torch_threads() -> dict[str, Any]:
+    """The engine's intra-op thread decision for torch here, and why (without importing torch)."""
+    from rlengine.backends.torch.threads import decide
+    from rlengine.errors import ConfigurationError
+
+    try:
+        threads, why = decide()
+    except ConfigurationError as exc:
+        return {"threads": None, "why": str(exc)}
+    return {"threads": "torch's default" if threads is None else threads, "why": why}
 
 
 def _trie_implementation() -> str:
@@ -84,7 +96,8 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"backend='auto' -> {auto['backend'] or 'none'}: {auto['why']}")
     print(f"token trie: {data['extensions']['trie']}")
     print(f"continuous sampling: {'on' if data['continuous_sampling'] else 'off (RLENGINE_CONTINUOUS_SAMPLING=0)'}")
-    print(f"OMP_NUM_THREADS: {data['omp_num_threads']}")
+    threads = data["torch_threads"]
+    print(f"torch threads: {threads['threads']} ({threads['why']})")
 
 
 def _bench_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str]]:
@@ -132,9 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     train_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
-    # One intra-op thread unless the user says otherwise: on small machines
-    # two threads were measured 15-30x slower for torch and vLLM on CPU.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.command == "info":
         data = info()
         if args.json:

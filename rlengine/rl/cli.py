@@ -134,7 +134,6 @@ def _summary(outcome: Any, recipe: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``rlengine train``; returns the exit code."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if args.list:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -98,10 +97,9 @@ class SandboxPool:
 
     async def _spawn(self, index: int) -> _Worker:
         assert self.socket_path is not None
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", self.module, self.socket_path, *self.args,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         self.spawned += 1
         worker = _Worker(index, proc)
         worker.reader = asyncio.get_running_loop().create_task(self._read(worker),

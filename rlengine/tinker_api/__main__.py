@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 
@@ -77,8 +76,6 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # One intra-op thread unless told otherwise (measured 15-30x faster on small CPUs).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from rlengine.core.engine import new_event_loop
 
     loop = new_event_loop()

@@ -497,8 +497,8 @@ def test_thread_default_and_overrides(env, expected):
     # In a fresh process: once a vLLM CPU engine has run in this one, vLLM has
     # replaced torch.set_num_threads with a no-op (it pins its own threads).
     code = (
-        "import threading, torch, rlengine.backends.torch.runtime as rt\n"
-        "rt.usable_cpus = lambda: 2\n"
+        "import threading, torch, rlengine.backends.torch.runtime as rt, rlengine.backends.torch.threads as th\n"
+        "th.usable_cpus = lambda: 2\n"
         "got = []\n"
         # The setting is per thread (OpenMP): check it on a fresh thread, like the compute thread.
         "t = threading.Thread(target=lambda: got.append((torch.get_num_threads(), rt.configure_threads())))\n"

@@ -1,16 +1,9 @@
 """Torch settings shared by the torch backend and the torch trainer: threads, device, dtype, model loading.
 
-Threads: on small CPU machines torch's default intra-op pool oversubscribes
-the cores the event loop also needs; on this project's 2-vCPU machines two
-intra-op threads were measured 15-30x slower than one, for our backend and
-for plain HF ``generate`` alike. So ``configure_threads`` (called on the
-engine's compute thread, where every torch op of the engine runs; the
-setting is per thread under OpenMP) picks:
-
-* ``RLENGINE_TORCH_THREADS=N`` if set (the override, N >= 1);
-* else torch's own choice if ``OMP_NUM_THREADS`` is set (the user decided);
-* else 1 thread on machines with at most 4 usable CPUs;
-* else torch's own choice.
+Threads: ``configure_threads`` applies the one thread decision
+(``rlengine.backends.torch.threads``) to the calling thread; the engine
+calls it on its compute thread, where every torch op of the engine runs
+(the setting is per thread under OpenMP).
 
 Device: CUDA when available, else CPU; ``EngineConfig.engine_args["device"]``
 overrides. Dtype: ``EngineConfig.dtype``.
@@ -20,21 +13,19 @@ This module imports torch; nothing on the control plane may import it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from rlengine.backends.torch.threads import decide
 from rlengine.errors import ConfigurationError
 
 __all__ = ["ENGINE_ARGS", "SUPPORTED_ARCHITECTURES", "configure_threads", "engine_args", "load_causal_lm",
-           "pick_device", "torch_dtype", "usable_cpus"]
+           "pick_device", "torch_dtype"]
 
 # Architectures whose decoder layers the torch backend runs itself (Llama-style
 # attention: q/k/v/o projections, RoPE, RMSNorm, gated MLP; Qwen3 adds q/k norms).
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
-
-_SMALL_MACHINE_CPUS = 4
 
 ENGINE_ARGS: dict[str, object] = {
     "device": None,
@@ -47,26 +38,11 @@ prompt tokens one prefill batch may hold (at least one whole prompt always
 fits); ``micro_batch_tokens``, the padded tokens per trainer forward pass."""
 
 
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS has no sched_getaffinity
-        return os.cpu_count() or 1
-
-
 def configure_threads() -> int:
-    """Apply the intra-op thread default to the calling thread; returns the count in force."""
-    raw = os.environ.get("RLENGINE_TORCH_THREADS", "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ConfigurationError(f"RLENGINE_TORCH_THREADS={raw!r}: must be an integer >= 1")
-        torch.set_num_threads(n)
-    elif not os.environ.get("OMP_NUM_THREADS") and usable_cpus() <= _SMALL_MACHINE_CPUS:
-        torch.set_num_threads(1)
+    """Apply the thread decision (``threads.decide``) to the calling thread; returns the count in force."""
+    decision = decide()
+    if decision.threads is not None:
+        torch.set_num_threads(decision.threads)
     return torch.get_num_threads()
 
 

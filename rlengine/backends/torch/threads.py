@@ -1,0 +1,66 @@
+"""How many intra-op threads torch gets: decided here, in one place.
+
+On small CPU machines torch's default intra-op pool oversubscribes the cores
+the event loop also needs; on this project's 2-vCPU machines two intra-op
+threads were measured 15-30x slower than one, for the torch backend and for
+plain HF ``generate`` alike. Machines with many cores keep torch's own
+choice. ``decide`` picks, in order:
+
+* ``RLENGINE_TORCH_THREADS=N`` if set (the override, N >= 1);
+* else torch's own choice if ``OMP_NUM_THREADS`` is set (the user decided);
+* else 1 thread on machines with at most 4 usable CPUs;
+* else torch's own choice.
+
+``rlengine.backends.torch.runtime.configure_threads`` applies the decision on
+the engine's compute thread (the setting is per thread under OpenMP, and
+every torch op of the engine runs there, vLLM's CPU model included);
+``rlengine info`` reports it. Nothing else in rlengine sets thread counts or
+``OMP_NUM_THREADS``. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from rlengine.errors import ConfigurationError
+
+__all__ = ["SMALL_MACHINE_CPUS", "ThreadDecision", "decide", "usable_cpus"]
+
+SMALL_MACHINE_CPUS = 4
+
+
+class ThreadDecision(NamedTuple):
+    threads: int | None
+    """The intra-op thread count to set; None leaves torch's own choice."""
+    why: str
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def decide(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> ThreadDecision:
+    """The decision for ``environ`` (default: this process's) on ``cpus`` usable CPUs (default: counted)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("RLENGINE_TORCH_THREADS", "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigurationError(f"RLENGINE_TORCH_THREADS={raw!r}: must be an integer >= 1")
+        return ThreadDecision(n, f"RLENGINE_TORCH_THREADS={raw}")
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        return ThreadDecision(None, f"OMP_NUM_THREADS={omp} is set: torch's own choice")
+    cpus = usable_cpus() if cpus is None else cpus
+    if cpus <= SMALL_MACHINE_CPUS:
+        return ThreadDecision(1, f"{cpus} usable CPUs (<= {SMALL_MACHINE_CPUS}): one intra-op thread "
+                                 "(two were measured 15-30x slower on 2 vCPUs); RLENGINE_TORCH_THREADS=N overrides")
+    return ThreadDecision(None, f"{cpus} usable CPUs: torch's own choice")
