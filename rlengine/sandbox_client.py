@@ -206,7 +206,31 @@ class Client:
         return Session(self, session_id, token)
 
 
-class Session:
+class _SessionRequests:
+    """The requests of one session, built once for ``Session`` and ``AsyncSession``."""
+
+    session_id: str
+    token: str
+
+    def _chat(self, messages: Sequence[Any], n: int, params: dict[str, Any]) -> Chat:
+        return Chat(id=0, session_id=self.session_id, token=self.token, messages=_messages(messages),
+                    sampling=sampling(**params), n=n)
+
+    def _generate(self, tokens: Iterable[int] | bytes, n: int, params: dict[str, Any]) -> Generate:
+        return Generate(id=0, session_id=self.session_id, token=self.token, tokens_raw=token_bytes(tokens),
+                        sampling=sampling(**params), n=n)
+
+    def _reward(self, value: float) -> Reward:
+        return Reward(id=0, session_id=self.session_id, token=self.token, value=value)
+
+    def _trace(self) -> GetTrace:
+        return GetTrace(id=0, session_id=self.session_id, token=self.token)
+
+    def _close(self) -> CloseSession:
+        return CloseSession(id=0, session_id=self.session_id, token=self.token)
+
+
+class Session(_SessionRequests):
     """One agent session over a ``Client``."""
 
     def __init__(self, client: Client, session_id: str, token: str) -> None:
@@ -219,26 +243,20 @@ class Session:
 
     def chat(self, messages: Sequence[Any], *, n: int = 1, **params: Any) -> TurnReply:
         """A chat turn: ``messages`` is the whole conversation (dicts with role and content)."""
-        request = Chat(id=0, session_id=self.session_id, token=self.token, messages=_messages(messages),
-                       sampling=sampling(**params), n=n)
-        return _check(self.client.request(request), TurnReply)
+        return _check(self.client.request(self._chat(messages, n, params)), TurnReply)
 
     def generate(self, tokens: Iterable[int] | bytes, *, n: int = 1, **params: Any) -> TurnReply:
         """A token turn: ``tokens`` is the whole prompt."""
-        request = Generate(id=0, session_id=self.session_id, token=self.token, tokens_raw=token_bytes(tokens),
-                           sampling=sampling(**params), n=n)
-        return _check(self.client.request(request), TurnReply)
+        return _check(self.client.request(self._generate(tokens, n, params)), TurnReply)
 
     def reward(self, value: float) -> None:
-        _check(self.client.request(Reward(id=0, session_id=self.session_id, token=self.token, value=value)), Ack)
+        _check(self.client.request(self._reward(value)), Ack)
 
     def trace(self) -> list[WireTrajectory]:
-        request = GetTrace(id=0, session_id=self.session_id, token=self.token)
-        return _check(self.client.request(request), TraceReply).trajectories
+        return _check(self.client.request(self._trace()), TraceReply).trajectories
 
     def close(self) -> None:
-        request = CloseSession(id=0, session_id=self.session_id, token=self.token)
-        _check(self.client.request(request), Ack)
+        _check(self.client.request(self._close()), Ack)
 
 
 # -- asyncio ---------------------------------------------------------------------------------
@@ -360,7 +378,7 @@ class AsyncClient:
         return AsyncSession(self, session_id, token)
 
 
-class AsyncSession:
+class AsyncSession(_SessionRequests):
     """One agent session over an ``AsyncClient``."""
 
     def __init__(self, client: AsyncClient, session_id: str, token: str) -> None:
@@ -373,24 +391,17 @@ class AsyncSession:
 
     async def chat(self, messages: Sequence[Any], *, n: int = 1, timeout: float | None = None,
                    **params: Any) -> TurnReply:
-        request = Chat(id=0, session_id=self.session_id, token=self.token, messages=_messages(messages),
-                       sampling=sampling(**params), n=n)
-        return _check(await self.client.request(request, timeout), TurnReply)
+        return _check(await self.client.request(self._chat(messages, n, params), timeout), TurnReply)
 
     async def generate(self, tokens: Iterable[int] | bytes, *, n: int = 1, timeout: float | None = None,
                        **params: Any) -> TurnReply:
-        request = Generate(id=0, session_id=self.session_id, token=self.token, tokens_raw=token_bytes(tokens),
-                           sampling=sampling(**params), n=n)
-        return _check(await self.client.request(request, timeout), TurnReply)
+        return _check(await self.client.request(self._generate(tokens, n, params), timeout), TurnReply)
 
     async def reward(self, value: float) -> None:
-        request = Reward(id=0, session_id=self.session_id, token=self.token, value=value)
-        _check(await self.client.request(request), Ack)
+        _check(await self.client.request(self._reward(value)), Ack)
 
     async def trace(self) -> list[WireTrajectory]:
-        request = GetTrace(id=0, session_id=self.session_id, token=self.token)
-        return _check(await self.client.request(request), TraceReply).trajectories
+        return _check(await self.client.request(self._trace()), TraceReply).trajectories
 
     async def close(self) -> None:
-        request = CloseSession(id=0, session_id=self.session_id, token=self.token)
-        _check(await self.client.request(request), Ack)
+        _check(await self.client.request(self._close()), Ack)
