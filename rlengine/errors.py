@@ -109,7 +109,7 @@ class GatePoisoned(GateError):
     """A weight install was refused: leases with unknown outcomes exist.
 
     ``leases`` lists them (lease id, session id, reason). Settle or write
-    each off (``RequestGate.write_off``) before installing a new version.
+    each off (``Engine.write_off``) before installing a new version.
     """
 
     def __init__(self, leases: list[tuple[int, str | None, str]]) -> None:

@@ -1,12 +1,14 @@
 """Exact trace capture and gate integration of agent sessions (rlengine.serve.sessions, render).
 
-Chat templates and tokenizers matter here, so the capture tests run on the
-torch backend with the tiny model and its ChatML template: the prompt of
-turn k is the stored path (earlier prompts + the exact sampled tokens) plus
-only the newly rendered suffix; a diverging history branches in the trie;
-re-tokenizing sampled text would give different ids, and the export keeps
-the sampled ones. Gate tests run on the sim backend (versions per token,
-installs between and during turns).
+The capture rules do not depend on the model: the prompt of turn k is the
+stored path (earlier prompts + the exact sampled tokens) plus only the newly
+rendered suffix, and a diverging history branches in the trie. Those tests
+run twice: on the sim backend with the byte renderer (no torch) and on the
+torch backend with the tiny model's ChatML template and BPE tokenizer. What
+needs a real tokenizer runs on torch only: re-tokenizing sampled text gives
+other ids (BPE is not reversible), and the export keeps the sampled ones.
+Gate tests run on the sim backend (versions per token, installs between and
+during turns).
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ def tiny(engine_config):
 @pytest.fixture(scope="module")
 def renderer(tiny):
     return tiny.on_loop(lambda: tiny.sessions.renderer)
+
+
+@pytest.fixture(scope="module")
+def bytes_served():
+    s = Served([sim_config()], ServeConfig(http=False))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module", params=["bytes", "template"])
+def capture(request):
+    """A server for the capture tests and its renderer: the sim with the byte renderer, then
+    the torch backend with the tiny model's chat template."""
+    served = request.getfixturevalue("bytes_served" if request.param == "bytes" else "tiny")
+    return served, served.on_loop(lambda: served.sessions.renderer)
+
+
+def prompt_of(renderer, msgs) -> list[int]:
+    """The tokens of ``msgs`` rendered whole, with the generation prompt (``render_chat`` for a template)."""
+    return renderer.encode(renderer.render(msgs, True))
 
 
 def session(served):
@@ -79,6 +101,14 @@ def test_suffix_renders_only_the_new_messages(renderer):
     assert suffix_text(renderer, msgs, root) == renderer.render(msgs, True)
 
 
+def test_the_byte_renderer_owes_its_closing_tag_after_a_sampled_turn():
+    renderer, msgs = ByteRenderer(), [{"role": "user", "content": "hi"}]
+    assert assistant_tail(renderer, msgs, "yo", renderer.encode("yo")) == "\n</assistant>\n"
+    after_turn = Boundary(handle=0, count=2, generation=False, tail="\n</assistant>\n")
+    msgs += [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    assert suffix_text(renderer, msgs, after_turn) == "\n</assistant>\n<user>\nmore\n</user>\n<assistant>\n"
+
+
 def test_a_template_that_is_not_prefix_stable_gives_no_suffix():
     class Reordering(ByteRenderer):
         def render(self, messages, generation):  # renders the last message first
@@ -91,11 +121,12 @@ def test_a_template_that_is_not_prefix_stable_gives_no_suffix():
 # -- exact capture (torch, tiny model) ------------------------------------------------------------
 
 
-def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(tiny, renderer):
+def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(capture):
+    tiny, renderer = capture
     sid, token = session(tiny)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     t1 = chat(tiny, sid, token, msgs, max_tokens=10, seed=1)
-    prompt1 = render_chat(renderer.tokenizer, msgs)
+    prompt1 = prompt_of(renderer, msgs)
     assert t1.prompt_tokens == len(prompt1)
     sampled1 = t1.choices[0].tokens
     msgs += [{"role": "assistant", "content": t1.choices[0].text}, {"role": "user", "content": "and then?"}]
@@ -136,11 +167,12 @@ def test_retokenizing_the_sampled_text_gives_other_ids_but_the_export_holds_the_
     assert retokenized != traj.tokens.tolist()[:t2.prompt_tokens]
 
 
-def test_an_edited_history_branches_at_the_divergence_point(tiny, renderer):
+def test_an_edited_history_branches_at_the_divergence_point(capture):
+    tiny, renderer = capture
     sid, token = session(tiny)
     msgs = [{"role": "user", "content": "count to three"}]
     t1 = chat(tiny, sid, token, msgs, max_tokens=8, seed=3)
-    prompt1 = len(render_chat(renderer.tokenizer, msgs))
+    prompt1 = len(prompt_of(renderer, msgs))
     chat(tiny, sid, token, msgs + [{"role": "assistant", "content": t1.choices[0].text},
                                    {"role": "user", "content": "again"}], max_tokens=3, seed=4)
     edited = msgs + [{"role": "assistant", "content": "one two three"}, {"role": "user", "content": "again"}]
@@ -156,14 +188,15 @@ def test_an_edited_history_branches_at_the_divergence_point(tiny, renderer):
     assert b[-len(t3.choices[0].tokens):] == t3.choices[0].tokens
 
 
-def test_a_truncated_history_and_n_samples_branch_from_the_stored_prompt(tiny, renderer):
+def test_a_truncated_history_and_n_samples_branch_from_the_stored_prompt(capture):
+    tiny, renderer = capture
     sid, token = session(tiny)
     msgs = [{"role": "user", "content": "pick one"}]
     t1 = chat(tiny, sid, token, msgs, max_tokens=5, seed=6)
     chat(tiny, sid, token, msgs + [{"role": "assistant", "content": t1.choices[0].text},
                                    {"role": "user", "content": "why"}], max_tokens=3, seed=7)
     retry = chat(tiny, sid, token, msgs, max_tokens=5, n=2, seed=8)  # back to the first turn, twice
-    prompt1 = len(render_chat(renderer.tokenizer, msgs))
+    prompt1 = len(prompt_of(renderer, msgs))
     assert retry.prompt_tokens == prompt1
     trajectories = export(tiny, sid)
     assert len(trajectories) >= 2
@@ -174,7 +207,8 @@ def test_a_truncated_history_and_n_samples_branch_from_the_stored_prompt(tiny, r
                    and t.loss_mask.tolist()[prompt1:prompt1 + n] == [1] * n for t in trajectories)
 
 
-def test_generate_keeps_the_stored_prefix_and_stores_only_new_tokens(tiny):
+def test_generate_keeps_the_stored_prefix_and_stores_only_new_tokens(capture):
+    tiny, _ = capture
     sid, token = session(tiny)
     with Client(tiny.ipc_path, timeout=WAIT) as c:
         s = c.session(sid, token)
