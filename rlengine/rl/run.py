@@ -14,7 +14,8 @@ train`` calls and what a program may call instead:
 4. the recipe's ``attach`` starts what its environments need beside the
    engine (a server, sandboxes), ``TrainingRun`` runs; both are closed,
    then the engine, whatever happened;
-5. the reward curve is drawn and the summary computed from the files.
+5. the summary is computed from the files and the reward curve drawn
+   (``reward.png``; skipped with one log line where matplotlib is missing).
 
 The outcome carries the error, if any, for the caller to re-raise or turn
 into an exit code. This module must not define training logic.
@@ -23,6 +24,7 @@ into an exit code. This module must not define training logic.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -42,6 +44,8 @@ from rlengine.rl.plot import write_reward_png
 from rlengine.rl.recipes import Recipe, load_recipe
 
 __all__ = ["RunOutcome", "build_config", "train"]
+
+logger = logging.getLogger("rlengine")
 
 
 class RunOutcome(msgspec.Struct, kw_only=True):
@@ -195,7 +199,7 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
     finally:
         log.close()
     outcome.summary = summarize(run_dir, config.target_reward)
-    outcome.png_path = _draw(run_dir)
+    outcome.png_path = _draw(run_dir, the_recipe.name)
     return outcome
 
 
@@ -206,12 +210,18 @@ def _stage_of(exc: BaseException) -> str | None:
     return None
 
 
-def _draw(run_dir: str) -> str | None:
+def _draw(run_dir: str, recipe_name: str) -> str | None:
+    """Write ``reward.png`` from the run's files; None when there is nothing to draw or no matplotlib."""
     steps = read_jsonl(os.path.join(run_dir, METRICS_FILE))
     if not steps:
         return None
     evals = read_jsonl(os.path.join(run_dir, EVAL_FILE))
     path = os.path.join(run_dir, "reward.png")
-    write_reward_png(path, [(s["step"], s.get("reward_mean")) for s in steps],
-                     [(e["step"], e.get("reward_mean")) for e in evals])
+    try:
+        write_reward_png(path, steps, evals, title=f"recipe {recipe_name}: {os.path.basename(run_dir)}")
+    except ImportError as exc:
+        # matplotlib is optional (it comes with the torch extra): a missing plot must not fail the run it shows.
+        logger.warning("rlengine.rl: reward curve not drawn, matplotlib is not importable (%s); "
+                       "pip install matplotlib to get %s", exc, path)
+        return None
     return path

@@ -1,15 +1,17 @@
-"""What a run leaves on disk: the PNG writer, checkpoints, log rewinding, settings and recipes.
+"""What a run leaves on disk: the reward curve, checkpoints, log rewinding, settings and recipes.
 
-The PNG is checked with a decoder written here from the PNG specification
-(chunk layout, CRC32, zlib, filter type 0), not with the writer's own code.
+The reward PNG is checked twice over: its header read here from the PNG
+specification (signature, IHDR size) and the file loaded back with
+matplotlib; the figure itself is checked before it is saved (title, axis
+labels, legend, the plotted data against the records given).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import logging
 import os
 import struct
-import zlib
+import sys
 
 import numpy as np
 import pytest
@@ -18,50 +20,106 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng, restore_rng, rewind_jsonl
 from rlengine.rl.config import TrainConfig, parse_overrides
 from rlengine.rl.metrics import read_jsonl
-from rlengine.rl.plot import encode_png, rasterize, write_reward_png
+from rlengine.rl.plot import DEFAULT_TITLE, HEIGHT_PX, WIDTH_PX, reward_figure, write_reward_png
 from rlengine.rl.recipes import load_recipe
 from rlengine.rl.run import build_config, train
 
 
-def decode_png(data: bytes) -> np.ndarray:
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's header: the signature, then IHDR as the first chunk."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks.append((kind, body))
-        pos += 12 + n
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    w, h, depth, color, _, _, _ = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color) == (8, 2)
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    rows = np.frombuffer(raw, dtype=np.uint8).reshape(h, 1 + 3 * w)
-    assert (rows[:, 0] == 0).all()
-    return rows[:, 1:].reshape(h, w, 3)
+    (length,) = struct.unpack(">I", data[8:12])
+    assert (length, data[12:16]) == (13, b"IHDR")
+    return struct.unpack(">II", data[16:24])
 
 
-def test_png_round_trips_through_a_spec_decoder():
-    img = np.random.default_rng(0).integers(0, 256, (7, 5, 3), dtype=np.uint8)
-    np.testing.assert_array_equal(decode_png(encode_png(img)), img)
+def legend_texts(ax) -> list[str]:
+    legend = ax.get_legend()
+    assert legend is not None
+    return [t.get_text() for t in legend.get_texts()]
 
 
-def test_reward_curve_is_drawn_where_the_data_is(tmp_path):
-    train_pts = [(s, s / 100) for s in range(1, 101)]
-    img = rasterize(train_pts, [(0, 0.8), (50, 0.9), (100, 0.95)])
-    blue = np.all(img == (31, 119, 180), axis=-1)
-    orange = np.all(img == (255, 127, 14), axis=-1)
-    assert blue.sum() > 500 and orange.sum() > 100
-    ys, xs = np.nonzero(blue)
-    # A rising curve: its right end sits higher (smaller row) than its left end.
-    assert ys[xs == xs.max()].min() < ys[xs == xs.min()].max()
-    path = tmp_path / "r.png"
-    write_reward_png(str(path), train_pts, [])
-    if importlib.util.find_spec("matplotlib") is None:
-        np.testing.assert_array_equal(decode_png(path.read_bytes()), rasterize(train_pts, []))
-    else:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+TRAIN_LABEL, EVAL_LABEL = "train reward (mean per step)", "held-out eval reward (mean)"
+BAND_LABEL = "train reward, 10th-90th percentile"
+
+
+def test_the_figure_names_its_axes_and_plots_the_records_it_is_given():
+    steps = [{"step": s, "reward_mean": s / 10, "reward_p10": s / 20, "reward_p90": s / 5} for s in range(1, 8)]
+    steps[3] = {"step": 4, "reward_mean": None}  # a step with no reward (logged as null) is left out
+    evals = [{"step": 0, "reward_mean": 0.1}, {"step": 3, "reward_mean": 0.35}, {"step": 6, "reward_mean": 0.7}]
+    ax = reward_figure(steps, evals, title="recipe copy: run-1").axes[0]
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("recipe copy: run-1", "step", "reward")
+    assert legend_texts(ax) == [BAND_LABEL, TRAIN_LABEL, EVAL_LABEL]
+    train_line, eval_line = ax.get_lines()
+    assert list(train_line.get_xdata()) == [1, 2, 3, 5, 6, 7]
+    np.testing.assert_allclose(train_line.get_ydata(), [0.1, 0.2, 0.3, 0.5, 0.6, 0.7])
+    assert list(eval_line.get_xdata()) == [0, 3, 6] and eval_line.get_marker() == "o"
+    np.testing.assert_allclose(eval_line.get_ydata(), [0.1, 0.35, 0.7])
+    (band,) = ax.collections
+    assert band.get_label() == BAND_LABEL
+    # The band spans p10..p90 of the steps with a reward: 1/20 at its lowest, 7/5 at its highest.
+    np.testing.assert_allclose(band.get_paths()[0].get_extents().bounds, [1, 0.05, 6, 1.35])
+
+
+def test_a_run_without_evaluations_or_spread_gets_one_series_and_the_default_title():
+    ax = reward_figure([{"step": 1, "reward_mean": 0.5}], []).axes[0]
+    assert ax.get_title() == DEFAULT_TITLE
+    assert legend_texts(ax) == [TRAIN_LABEL]
+    (line,) = ax.get_lines()
+    # A single point makes no line segment: it is drawn as a marker so it shows.
+    assert list(line.get_xdata()) == [1] and line.get_marker() == "o"
+    assert len(ax.collections) == 0
+    # Nothing to draw: no legend (and no warning, which the test settings would turn into an error).
+    assert reward_figure([{"step": 1, "reward_mean": None}], []).axes[0].get_legend() is None
+
+
+def test_the_png_is_written_atomically_at_its_size_and_loads_back(tmp_path):
+    from matplotlib.image import imread
+
+    path = tmp_path / "reward.png"
+    path.write_bytes(b"an older curve")
+    write_reward_png(str(path), [{"step": s, "reward_mean": s / 100} for s in range(1, 101)],
+                     [{"step": 50, "reward_mean": 0.9}])
+    assert png_size(path.read_bytes()) == (WIDTH_PX, HEIGHT_PX)
+    img = imread(str(path))
+    assert img.shape[:2] == (HEIGHT_PX, WIDTH_PX)
+    assert os.listdir(tmp_path) == ["reward.png"]  # the temporary file was renamed over the old one
+    # Not a blank canvas: the curve's blue is there.
+    blue = np.all(np.abs(img[..., :3] - np.array([31, 119, 180]) / 255) < 0.02, axis=-1)
+    assert blue.sum() > 300
+
+
+def test_a_run_draws_its_curve_from_its_own_files(tmp_path):
+    from matplotlib.image import imread
+
+    outcome = train("rl_sim:RECIPE", {"batches": "4", "eval_every": "2"}, run_dir=str(tmp_path))
+    assert outcome.error is None and outcome.png_path == str(tmp_path / "reward.png")
+    with open(outcome.png_path, "rb") as f:
+        assert png_size(f.read()) == (WIDTH_PX, HEIGHT_PX)
+    assert imread(outcome.png_path).shape[:2] == (HEIGHT_PX, WIDTH_PX)
+    steps, evals = read_jsonl(str(tmp_path / "metrics.jsonl")), read_jsonl(str(tmp_path / "eval.jsonl"))
+    assert len(steps) == 4 and len(evals) == 3
+    ax = reward_figure(steps, evals).axes[0]
+    assert legend_texts(ax) == [BAND_LABEL, TRAIN_LABEL, EVAL_LABEL]
+    train_line, eval_line = ax.get_lines()
+    assert list(train_line.get_xdata()) == [1, 2, 3, 4]
+    assert list(train_line.get_ydata()) == [s["reward_mean"] for s in steps]
+    assert list(eval_line.get_xdata()) == [0, 2, 4]
+    assert list(eval_line.get_ydata()) == [e["reward_mean"] for e in evals]
+
+
+def test_a_run_without_matplotlib_succeeds_with_no_png_and_says_so_once(tmp_path, monkeypatch, caplog):
+    # None in sys.modules makes the import fail, as if matplotlib were not installed; submodules a
+    # previous test imported would otherwise still be found there.
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] or ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with caplog.at_level(logging.WARNING, logger="rlengine"):
+        outcome = train("rl_sim:RECIPE", {"batches": "2"}, run_dir=str(tmp_path))
+    assert outcome.error is None and outcome.summary["steps"] == 2
+    assert outcome.png_path is None
+    assert not any(name.startswith(".reward.png") or name == "reward.png" for name in os.listdir(tmp_path))
+    (record,) = [r for r in caplog.records if "reward curve" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "matplotlib" in record.getMessage()
 
 
 def state(step: int) -> LoopState:
