@@ -37,7 +37,7 @@ import struct
 import threading
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -66,6 +66,9 @@ from rlengine.protocol import (
     error_from_wire,
     frame,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["AsyncClient", "AsyncSession", "Client", "Session", "sampling", "token_bytes"]
 
@@ -148,7 +151,7 @@ class Client:
         self._lock = threading.Lock()
         self._ready: list[memoryview] = []
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -305,7 +308,7 @@ class AsyncClient:
         client._transport = transport  # type: ignore[assignment]
         return client
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -26,8 +26,17 @@ from rlengine.errors import ConfigurationError
 if TYPE_CHECKING:
     from rlengine.core.config import EngineConfig
 
-__all__ = ["Backend", "BackendRequest", "BackendSpec", "Capabilities", "RequestOutput", "SPECS", "available",
-           "load", "resolve_backend"]
+__all__ = [
+    "SPECS",
+    "Backend",
+    "BackendRequest",
+    "BackendSpec",
+    "Capabilities",
+    "RequestOutput",
+    "available",
+    "load",
+    "resolve_backend",
+]
 
 
 class BackendSpec(NamedTuple):

@@ -64,8 +64,15 @@ class BackendRequest(msgspec.Struct, gc=False):
 class RequestOutput:
     """What one ``step`` produced for one request: the *new* tokens only."""
 
-    __slots__ = ("request_id", "token_ids", "logprobs", "finished", "stop_reason",
-                 "prompt_logprobs", "error")
+    __slots__ = (
+        "error",
+        "finished",
+        "logprobs",
+        "prompt_logprobs",
+        "request_id",
+        "stop_reason",
+        "token_ids",
+    )
 
     def __init__(
         self,

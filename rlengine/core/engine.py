@@ -25,6 +25,7 @@ imports no torch: model backends and trainers are imported lazily.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -44,6 +45,8 @@ from rlengine.errors import EngineClosed, EngineDeadError, InvalidRequest, RLEng
 from rlengine.types import ModelInput, SampleResponse, SamplingParams, UnloadModelResponse, int32_bytes
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from rlengine.core.clients import SamplingClient, TrainingClient
 
 __all__ = ["Engine", "new_event_loop"]
@@ -94,14 +97,14 @@ class Engine:
 
     # -- lifecycle ------------------------------------------------------------------
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> Engine:
+    async def __aenter__(self) -> Self:
         await self.start_async()
         return self
 
@@ -136,7 +139,7 @@ class Engine:
     async def _owned_main(self) -> None:
         try:
             await self._bring_up()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - a failed start is handed to the starting thread
             self._start_error = exc
             self._state = "dead"
             self._ready.set()
@@ -244,10 +247,9 @@ class Engine:
         if compute is None:
             return
         if backend is not None and compute.is_alive():
-            try:
+            # Closing a broken backend must not block shutdown.
+            with contextlib.suppress(Exception):
                 await asyncio.wait_for(compute.submit(asyncio.get_running_loop(), backend.close), timeout)
-            except Exception:  # noqa: BLE001 - closing a broken backend must not block shutdown
-                pass
         await asyncio.to_thread(compute.stop, timeout)
 
     def _finish_closed(self) -> None:

@@ -95,7 +95,7 @@ class RequestFuture(Generic[T]):
         for cb in cbs:
             try:
                 cb(self)
-            except Exception:  # noqa: BLE001 - one consumer's bug must not stop the settlement chain
+            except Exception:  # one consumer's bug must not stop the settlement chain
                 log.exception("rlengine: a done-callback of request %s raised", self.request_id)
 
     def set_result(self, value: T) -> bool:

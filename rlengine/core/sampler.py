@@ -302,7 +302,7 @@ class SamplerLoop:
         assert request.on_tokens is not None
         try:
             request.on_tokens(seq.index, out.token_ids, out.logprobs, version)
-        except Exception:  # noqa: BLE001 - a consumer's bug must not kill the sampler
+        except Exception:  # a consumer's bug must not kill the sampler
             log.exception("rlengine: on_tokens callback of request %s failed; streaming stops", request.request_id)
             request.on_tokens = None
 
@@ -466,7 +466,7 @@ class SamplerLoop:
         except asyncio.CancelledError:
             self.die(EngineClosed("the engine's loop was cancelled"))
             raise
-        except BaseException as exc:  # noqa: BLE001 - any crash here is engine death
+        except BaseException as exc:  # any crash here is engine death
             log.exception("rlengine sampler loop crashed")
             self.die(EngineDeadError(f"engine died: {exc!r}"), cause=exc)
 

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -41,6 +41,9 @@ import numpy as np
 from rlengine.errors import RLEngineError
 from rlengine.rl.types import AgentEnv, Observation, Trajectory, Transition
 from rlengine.types import ModelInput, SampledSequence, SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["SandboxError", "SandboxPool", "SessionEnv", "trace_trajectory", "worker_main"]
 
@@ -191,7 +194,7 @@ class SandboxPool:
                 with contextlib.suppress(asyncio.CancelledError):
                     await w.reader
 
-    async def __aenter__(self) -> SandboxPool:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

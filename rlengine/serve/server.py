@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -39,6 +39,9 @@ from rlengine.serve.ipc import IpcServer
 from rlengine.serve.router import SessionRouter
 from rlengine.serve.sessions import SessionManager
 from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["ServeConfig", "Server"]
 
@@ -117,13 +120,13 @@ class Server:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Server:
+    async def __aenter__(self) -> Self:
         return await self.start_async()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -71,10 +71,10 @@ def test_callbacks_added_from_threads_during_settlement_all_run_once():
         seen = []
         barrier = threading.Barrier(5)
 
-        def add() -> None:
+        def add(f=f, seen=seen, barrier=barrier) -> None:
             barrier.wait()
             for _ in range(20):
-                f.add_done_callback(lambda x: seen.append(1))
+                f.add_done_callback(lambda x, seen=seen: seen.append(1))
 
         threads = [threading.Thread(target=add) for _ in range(4)]
         for t in threads:

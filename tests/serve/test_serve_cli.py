@@ -122,7 +122,7 @@ def test_tinker_settings_need_the_flag_and_known_fields():
     assert tinker_settings(["tinker.port=8123", "backend=sim"]).port == 8123
     with pytest.raises(ConfigurationError, match="tinker.nope"):
         tinker_settings(["tinker.nope=1"])
-    proc = subprocess.run([sys.executable, "-m", "rlengine.serve.cli", "backend=sim", "tinker.port=1"],
+    proc = subprocess.run([sys.executable, "-m", "rlengine.serve.cli", "backend=sim", "tinker.port=1"], check=False,
                           capture_output=True, text=True, timeout=WAIT, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 2 and "need --tinker" in proc.stderr

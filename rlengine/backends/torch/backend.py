@@ -50,8 +50,24 @@ __all__ = ["TorchBackend", "build"]
 class _Seq:
     """One request inside the backend: its sampling settings and what it generated."""
 
-    __slots__ = ("rid", "prompt", "tokens", "logprobs", "reported", "stream", "max_tokens", "temperature", "top_k",
-                 "top_p", "generator", "stop_ids", "stop_text", "want_prompt_logprobs", "prompt_logprobs", "length")
+    __slots__ = (
+        "generator",
+        "length",
+        "logprobs",
+        "max_tokens",
+        "prompt",
+        "prompt_logprobs",
+        "reported",
+        "rid",
+        "stop_ids",
+        "stop_text",
+        "stream",
+        "temperature",
+        "tokens",
+        "top_k",
+        "top_p",
+        "want_prompt_logprobs",
+    )
 
     def __init__(self, req: BackendRequest, prompt: list[int], vocab_size: int, eos: frozenset[int],
                  tokenizer: Any) -> None:

@@ -80,7 +80,7 @@ class StopText:
     Special tokens are kept in the text, so a stop string can name one.
     """
 
-    __slots__ = ("tokenizer", "stops", "text", "prefix", "read")
+    __slots__ = ("prefix", "read", "stops", "text", "tokenizer")
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
