@@ -4,8 +4,9 @@
 ``RLDataset``, trajectories), ``rollouts`` runs them through the engine,
 ``sandbox`` runs agent episodes in sandbox processes over IPC, ``advantages``
 turns groups into training data, ``loop`` is the pipeline with its shutdown
-cascade, ``checkpoint``, ``metrics`` and ``plot`` what a run leaves on disk, ``run``
-one run end to end, ``recipes`` the built-in tasks and ``cli`` the
+cascade, ``batch`` one training step's batch and the training calls it
+makes, ``checkpoint``, ``metrics`` and ``plot`` what a run leaves on disk,
+``run`` one run end to end, ``recipes`` the built-in tasks and ``cli`` the
 ``rlengine train`` command. Importing this package imports no torch.
 """
 

@@ -14,8 +14,9 @@ connected by queues:
   queue. Each worker decrements a counter in ``finally`` (so a crashed
   worker counts too); the last one to stop tells the training loop that no
   more results will come.
-* the **training loop** consumes ``groups_per_batch`` groups per step. Every
-  group passes one intake (``_intake``): the stale-group filter first
+* the **training loop** consumes ``groups_per_batch`` groups per step,
+  gathered in a ``StepBatch`` (``batch``). Every group passes one intake
+  (``StepBatch.intake``): the stale-group filter first
   (``max_steps_off_policy``, from the per-token policy versions the engine
   recorded; a stale group is re-sampled, not trained), then failed attempts
   and ``min_surviving_attempts``, constant rewards, GRPO advantages. Both
@@ -49,23 +50,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
-from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
+from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.errors import DataExhausted, RunInterrupted, StageTimeout
 from rlengine.rl.metrics import RunLog, reward_stats
 from rlengine.rl.rollouts import rollout_group
-from rlengine.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
+from rlengine.rl.types import EnvGroupBuilder, RLDataset
 from rlengine.seeding import mix_seed
-from rlengine.types import AdamParams, Datum, SamplingParams
+from rlengine.types import AdamParams, SamplingParams
 
 __all__ = ["TrainingRun"]
 
@@ -83,43 +82,6 @@ class _Sentinel:
 NO_MORE_WORK = _Sentinel("no more work")
 WORKERS_DONE = _Sentinel("workers done")
 EVAL_STOP = _Sentinel("evaluation stop")
-
-
-class WorkItem(NamedTuple):
-    index: int
-    attempt: int
-    builder: EnvGroupBuilder
-
-
-class RolloutResult(NamedTuple):
-    item: WorkItem
-    group: TrajectoryGroup
-    seconds: float
-
-
-class _StepBatch:
-    """What one training step collects from its groups."""
-
-    def __init__(self) -> None:
-        self.consumed = 0
-        self.rewards: list[float] = []
-        self.counts: Counter[str] = Counter()
-        self.staleness: list[int] = []
-        self.tokens = 0
-        self.datums: list[Datum] = []
-        self.masks: list[np.ndarray] = []
-        self.pending_datums: list[Datum] = []
-        self.pending_keys: list[tuple[int, int, int]] = []
-        """(group index, attempt, datum) of each pending datum: the batch's order, whatever
-        order the groups arrived in."""
-        self.pending_groups = 0
-        self.fb: list[tuple[Any, list[int]]] = []
-        """(forward_backward future, indices of its datums) per submitted forward_backward."""
-        self.on_policy = 0
-        """How many of ``fb`` ran before the step's first optimizer update."""
-        self.ledger: list[dict[str, Any]] = []
-        self.env_metrics: dict[str, list[float]] = {}
-        self.tag_rewards: dict[str, list[float]] = {}
 
 
 class TrainingRun:
@@ -387,115 +349,27 @@ class TrainingRun:
                                f"{self.cfg.groups_per_batch} groups")
         return result
 
-    def _intake(self, result: RolloutResult, batch: _StepBatch, step: int) -> None:
-        """One group into the step: stale filter, failures and survivors, advantages, datums."""
-        cfg = self.cfg
-        item, group = result.item, result.group
-        spans = group.versions()
-        oldest = None if spans is None else self._policy_version(spans[0])
-        batch.tokens += sum(t.sampled_tokens for t in group.trajectories)
-        entry: dict[str, Any] = {"step": step, "group": item.index, "attempt": item.attempt,
-                                 "versions": None if spans is None else [oldest, self._policy_version(spans[1])]}
-        if is_stale(oldest, self.updates, cfg.max_steps_off_policy):
-            batch.counts["groups_resampled_stale"] += 1
-            batch.ledger.append({**entry, "disposition": "resampled_stale"})
-            retry = WorkItem(item.index, item.attempt + 1, item.builder)
+    def _intake(self, result: RolloutResult, batch: StepBatch) -> None:
+        """One group into the step's batch (``StepBatch.intake``) and into the dataloader's books:
+        a stale group is issued again, any other is done."""
+        item = result.item
+        retry = batch.intake(result)
+        if retry is not None:
             self._issued[item.index] = PendingGroup(item.index, retry.attempt)
             self._requeued.append(retry)
-            self._progress.set()
-            return
-        del self._issued[item.index]
-        batch.consumed += 1
+        else:
+            del self._issued[item.index]
         self._progress.set()
-        verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
-                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
-        batch.rewards += verdict.rewards
-        batch.counts["attempts_failed"] += verdict.failed
-        for tag in group.tags:
-            batch.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
-        for t in group.trajectories:
-            if not t.failed:
-                for tr in t.transitions:
-                    for key, value in tr.metrics.items():
-                        batch.env_metrics.setdefault(key, []).append(float(value))
-        failures = [{"attempt": i, **_failure_record(t.failure), "metadata": t.metadata}
-                    for i, t in enumerate(group.trajectories) if t.failure is not None]
-        entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
-        if failures:
-            entry["failures"] = failures
-        if verdict.dropped is not None:
-            batch.counts[f"groups_dropped_{verdict.dropped}"] += 1
-            batch.ledger.append({**entry, "disposition": f"dropped_{verdict.dropped}"})
-            return
-        batch.ledger.append({**entry, "disposition": "trained"})
-        batch.counts["groups_trained"] += 1
-        if oldest is not None:
-            batch.staleness.append(self.updates - oldest)
-        for i, advantage in zip(verdict.kept, verdict.advantages):
-            for j, (datum, mask) in enumerate(trajectory_datums(group.trajectories[i], advantage,
-                                                                 with_mask=cfg.entropy_coef > 0)):
-                batch.pending_datums.append(datum)
-                batch.pending_keys.append((item.index, i, j))
-                batch.masks.append(mask)
-        batch.pending_groups += 1
-        if cfg.num_minibatches > 1 and batch.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
-            self._submit_minibatch(batch)
-
-    @staticmethod
-    def _in_group_order(batch: _StepBatch) -> None:
-        """Put the pending datums (and their masks) in group order: the groups arrive in
-        whatever order their rollouts finish, and the training must not depend on it."""
-        keys = batch.pending_keys
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        first = len(batch.masks) - len(keys)
-        batch.pending_datums = [batch.pending_datums[i] for i in order]
-        batch.masks[first:] = [batch.masks[first + i] for i in order]
-        batch.pending_keys = [keys[i] for i in order]
-
-    def _submit_minibatch(self, batch: _StepBatch) -> None:
-        if batch.pending_datums:
-            future = self.training.forward_backward(batch.pending_datums, self.cfg.loss_fn, self.cfg.loss_fn_config())
-            first = len(batch.datums)
-            batch.fb.append((future, list(range(first, first + len(batch.pending_datums)))))
-            batch.datums += batch.pending_datums
-        batch.pending_datums, batch.pending_keys, batch.pending_groups = [], [], 0
-
-    def _submit_training(self, batch: _StepBatch, step: int, adam: AdamParams) -> list[Any]:
-        """Queue the step's training calls; returns the optimizer steps' futures.
-
-        One optimizer step over the batch (its minibatches already streamed),
-        or with ``num_substeps`` K > 1 the datums shuffled (seeded by the step)
-        into K parts, each a forward_backward and an optimizer step: later
-        parts see weights already updated, which is where PPO's clipping acts.
-        """
-        cfg = self.cfg
-        if cfg.num_minibatches == 1:
-            self._in_group_order(batch)
-        if cfg.num_substeps == 1:
-            self._submit_minibatch(batch)
-            batch.on_policy = len(batch.fb)
-            return [self.training.optim_step(adam)] if batch.fb else []
-        datums, batch.pending_datums, batch.pending_keys = batch.pending_datums, [], []
-        batch.datums = datums
-        order = np.random.default_rng([cfg.seed, step]).permutation(len(datums))
-        optims = []
-        for k in range(min(cfg.num_substeps, len(datums))):
-            idx = order[k::cfg.num_substeps].tolist()
-            batch.fb.append((self.training.forward_backward([datums[i] for i in idx], cfg.loss_fn,
-                                                            cfg.loss_fn_config()), idx))
-            optims.append(self.training.optim_step(adam))
-        batch.on_policy = min(1, len(batch.fb))
-        return optims
 
     async def _train_step(self) -> bool:
         cfg = self.cfg
         step = self.step + 1
-        batch = _StepBatch()
+        batch = StepBatch(cfg, self.training, step, self.updates, self._policy_version)
         while batch.consumed < cfg.groups_per_batch:
             result = await self._next_result()
             if result is None:
                 return False
-            self._intake(result, batch, step)
+            self._intake(result, batch)
         train_started = time.monotonic()
         train_metrics: dict[str, float] = {}
         lr = cfg.learning_rate
@@ -503,7 +377,7 @@ class TrainingRun:
             lr *= 1.0 - (step - 1) / self.total_steps
         adam = AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm)
-        optims = self._submit_training(batch, step, adam)
+        optims = batch.submit(adam)
         if optims:
             install = self.training.save_weights_for_sampler()
             outputs = [(await self._call(f), idx) for f, idx in batch.fb]
@@ -512,27 +386,14 @@ class TrainingRun:
             if self._abort.is_set():
                 return False
             self.updates += 1
-            train_metrics = self._train_metrics(batch, outputs, optim_outs) | {"learning_rate": lr}
+            train_metrics = batch.train_metrics(outputs, optim_outs) | {"learning_rate": lr}
         now = time.monotonic()
         busy = self._sampler_busy()
         wall = now - self._last_step_end
-        record: dict[str, Any] = {
-            "step": step, "version": self.updates, **reward_stats(batch.rewards),
-            "groups_trained": batch.counts["groups_trained"],
-            "groups_dropped_constant_reward": batch.counts["groups_dropped_constant_reward"],
-            "groups_dropped_too_few_survivors": batch.counts["groups_dropped_too_few_survivors"],
-            "groups_resampled_stale": batch.counts["groups_resampled_stale"],
-            "attempts_failed": batch.counts["attempts_failed"], "datums": len(batch.datums),
-            "staleness_mean": float(np.mean(batch.staleness)) if batch.staleness else float("nan"),
-            "staleness_max": max(batch.staleness) if batch.staleness else None,
-            **train_metrics, "tokens_sampled": batch.tokens, "tokens_per_s": batch.tokens / wall if wall else 0.0,
-            "step_time_s": wall, "train_time_s": now - train_started,
-            "sampler_idle_frac": (min(1.0, max(0.0, 1.0 - (busy - self._last_busy) / wall))
-                                  if wall and busy is not None and self._last_busy is not None else None),
-            "time_s": now - self._clock0,
-        }
-        record |= {f"env/{k}": float(np.mean(v)) for k, v in sorted(batch.env_metrics.items())}
-        record |= {f"reward_mean/{k}": float(np.mean(v)) for k, v in sorted(batch.tag_rewards.items())}
+        idle = (min(1.0, max(0.0, 1.0 - (busy - self._last_busy) / wall))
+                if wall and busy is not None and self._last_busy is not None else None)
+        record = batch.record(self.updates, train_metrics, wall=wall, train_time_s=now - train_started,
+                              sampler_idle_frac=idle, time_s=now - self._clock0)
         self._last_step_end, self._last_busy = now, busy
         # The step is complete: advance, and snapshot the loop state before any
         # await lets the dataloader issue the next batch.
@@ -553,41 +414,6 @@ class TrainingRun:
         if step not in self._eval_requested:
             self._eval_requested.add(step)
             self.eval_q.put_nowait(step)
-
-    def _train_metrics(self, batch: _StepBatch, outputs: list[tuple[Any, list[int]]],
-                       optim_outs: list[Any]) -> dict[str, float]:
-        """Loss, entropy, grad norm, and the sampler-vs-trainer logprob KL over sampled tokens.
-
-        The KL is taken over the forward passes that ran before this step's
-        first optimizer update (all of them without substeps): there, any
-        difference between the two logprobs is sampler/trainer mismatch, not
-        learning."""
-        diffs = []
-        loss = entropy = 0.0
-        tokens = 0
-        for n, (out, idx) in enumerate(outputs):
-            loss += out.metrics.get("loss:sum", 0.0)
-            entropy += out.metrics.get("entropy:sum", 0.0)
-            for record, i in zip(out.loss_fn_outputs, idx):
-                mask = batch.masks[i] > 0
-                tokens += int(mask.sum())
-                if n < batch.on_policy:
-                    trainer_lp = record["logprobs"].to_numpy()[mask]
-                    sampler_lp = batch.datums[i].loss_fn_inputs["logprobs"].to_numpy()[mask]
-                    diffs.append(sampler_lp.astype(np.float64) - trainer_lp)
-        d = np.concatenate(diffs) if diffs else np.zeros(0)
-        out: dict[str, float] = {"loss_sum": loss, "sampled_tokens_trained": tokens}
-        if d.size:
-            # k1 (mean log ratio) and k2 (half the mean squared log ratio) estimators.
-            out["kl_sample_train_v1"] = float(d.mean())
-            out["kl_sample_train_v2"] = float(0.5 * (d * d).mean())
-        if self.cfg.entropy_coef and tokens:
-            out["entropy_mean"] = entropy / tokens
-        norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)
-                 if "grad_norm" in m]
-        if norms:
-            out["grad_norm"] = float(np.mean(norms))
-        return out
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -648,10 +474,6 @@ class TrainingRun:
         return {"step": step, **reward_stats(rewards), "attempts": len(rewards) + failed, "attempts_failed": failed,
                 "version_min": min(versions) if versions else None, "version_max": max(versions) if versions else None,
                 "eval_time_s": time.monotonic() - started}
-
-
-def _failure_record(failure: Any) -> dict[str, Any]:
-    return {"stage": failure.stage, "error": failure.error, "message": failure.message, "turn": failure.turn}
 
 
 async def _await(future: Any) -> Any:

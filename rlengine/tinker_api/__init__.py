@@ -3,7 +3,12 @@
 One role per module:
 
 * ``server``     - ``start`` / ``start_async`` / ``TinkerServer``: HTTP (aiohttp) on the engine's own loop;
-* ``service``    - ``TinkerService``: the API's semantics (sessions, models, sampling, futures) over an ``Engine``;
+* ``service``    - ``TinkerService``: the API's semantics over an ``Engine``, assembled from the parts below
+  (and itself answering sessions, discovery, creating and unloading models);
+* ``registry``   - sessions, models, sampling sessions and checkpoints by id, and which API key owns each;
+* ``training_calls`` - the calls on a training model: forward/backward, optimizer steps, saving and loading weights;
+* ``sampling_calls`` - the calls of sampling sessions: creating and joining one, ``asample``;
+* ``results``    - rendering results, relaying engine futures, retrieving and cancelling futures;
 * ``training``   - a training model's trainer, its call order by ``seq_id``, weight snapshots;
 * ``sampling``   - sampler snapshots, installing them on demand, sampling sessions;
 * ``futures``    - the bounded, expiring futures table and ``retrieve_futures`` completion logs;

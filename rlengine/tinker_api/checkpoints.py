@@ -1,4 +1,4 @@
-"""Checkpoints of the Tinker API on local disk: ``tinker://`` paths, directories, metadata, base weights.
+"""Checkpoints of the Tinker API on local disk: ``tinker://`` paths, directories, metadata, weights.
 
 Tinker names a checkpoint ``tinker://<model_id>/weights/<name>`` (training
 state: weights and optimizer) or ``tinker://<model_id>/sampler_weights/<name>``
@@ -36,6 +36,7 @@ __all__ = [
     "publish",
     "read_meta",
     "read_model_weights",
+    "read_sampler_weights",
     "staging_dir",
     "tinker_path",
 ]
@@ -131,3 +132,13 @@ def read_model_weights(model_dir: str) -> list[tuple[str, Any]]:
     for file in files:
         out.extend(load_file(file).items())
     return out
+
+
+def read_sampler_weights(directory: str) -> list[tuple[str, Any]]:
+    """Full sampler weights of a checkpoint directory (compute thread)."""
+    from rlengine.trainer.lora import merge_adapter, read_adapter, read_lora_spec
+
+    if read_lora_spec(directory) is None:
+        return read_model_weights(directory)
+    spec, adapter, base_dir = read_adapter(directory)
+    return merge_adapter(read_model_weights(base_dir), adapter, spec)

@@ -219,20 +219,20 @@ class TinkerServer:
             post(f"{p}/unload_model", self._call(wire.UnloadModelRequest, svc.unload_model)),
             post(f"{p}/forward_backward", self._forward_backward),
             post(f"{p}/forward", self._forward),
-            post(f"{p}/optim_step", self._call(wire.OptimStepRequest, svc.optim_step)),
-            post(f"{p}/save_weights", self._call(wire.SaveWeightsRequest, svc.save_weights)),
+            post(f"{p}/optim_step", self._call(wire.OptimStepRequest, svc.training.optim_step)),
+            post(f"{p}/save_weights", self._call(wire.SaveWeightsRequest, svc.training.save_weights)),
             post(f"{p}/save_weights_for_sampler",
-                 self._call(wire.SaveWeightsForSamplerRequest, svc.save_weights_for_sampler)),
-            post(f"{p}/load_weights", self._call(wire.LoadWeightsRequest, svc.load_weights)),
+                 self._call(wire.SaveWeightsForSamplerRequest, svc.training.save_weights_for_sampler)),
+            post(f"{p}/load_weights", self._call(wire.LoadWeightsRequest, svc.training.load_weights)),
             post(f"{p}/create_sampling_session",
-                 self._call(wire.CreateSamplingSessionRequest, svc.create_sampling_session)),
+                 self._call(wire.CreateSamplingSessionRequest, svc.sampling.create_sampling_session)),
             post(f"{p}/join_sampling_session",
-                 self._call(wire.JoinSamplingSessionRequest, svc.join_sampling_session)),
+                 self._call(wire.JoinSamplingSessionRequest, svc.sampling.join_sampling_session)),
             get(f"{p}/samplers/{{sampler_id}}", self._get_sampler),
-            post(f"{p}/asample", self._call(wire.SampleRequest, svc.asample)),
+            post(f"{p}/asample", self._call(wire.SampleRequest, svc.sampling.asample)),
             post(f"{p}/retrieve_future", self._retrieve_future),
             post(f"{p}/retrieve_futures", self._retrieve_futures),
-            post(f"{p}/cancel_future", self._call(wire.CancelFutureRequest, svc.cancel)),
+            post(f"{p}/cancel_future", self._call(wire.CancelFutureRequest, svc.results.cancel)),
             web.route("*", "/{tail:.*}", self._unknown),
         ]
 
@@ -260,7 +260,7 @@ class TinkerServer:
         return _json_response(None)
 
     async def _get_sampler(self, request: web.Request) -> web.Response:
-        return _json_response(self._svc.get_sampler(request[_OWNER], request.match_info["sampler_id"]))
+        return _json_response(self._svc.sampling.get_sampler(request[_OWNER], request.match_info["sampler_id"]))
 
     async def _fwdbwd_request(self, request: web.Request, forward_only: bool) -> FwdBwdRequest:
         body = await self._body(request)
@@ -278,21 +278,21 @@ class TinkerServer:
 
     async def _forward_backward(self, request: web.Request) -> web.Response:
         decoded = await self._fwdbwd_request(request, forward_only=False)
-        return _json_response(self._svc.forward_backward(request[_OWNER], decoded))
+        return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
 
     async def _forward(self, request: web.Request) -> web.Response:
         decoded = await self._fwdbwd_request(request, forward_only=True)
-        return _json_response(self._svc.forward_backward(request[_OWNER], decoded))
+        return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
 
     async def _retrieve_future(self, request: web.Request) -> web.Response:
         body = self._decode(await self._body(request), wire.FutureRetrieveRequest)
         want_proto = "application/x-protobuf" in request.headers.get("Accept", "")
-        content_type, data = await self._svc.retrieve(request[_OWNER], body, want_proto)
+        content_type, data = await self._svc.results.retrieve(request[_OWNER], body, want_proto)
         return web.Response(body=data, content_type=content_type)
 
     async def _retrieve_futures(self, request: web.Request) -> web.Response:
         body = self._decode(await self._body(request), wire.FuturesRetrieveRequest)
-        return _json_response(await self._svc.retrieve_many(request[_OWNER], body))
+        return _json_response(await self._svc.results.retrieve_many(request[_OWNER], body))
 
     async def _unknown(self, request: web.Request) -> web.Response:
         raise UnknownEndpoint("path", f"{request.method} {request.path}",

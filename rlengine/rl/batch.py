@@ -1,0 +1,241 @@
+"""One training step's batch: its groups' intake, the training calls it submits, its metrics line.
+
+The training loop (``loop``) builds a ``StepBatch`` per step and feeds it
+the rollout groups as they arrive. Every group passes one intake
+(``StepBatch.intake``): the stale-group filter first
+(``max_steps_off_policy``, from the per-token policy versions the engine
+recorded; a stale group comes back as a retry for the dataloader to
+re-issue, it is not trained), then failed attempts and
+``min_surviving_attempts``, constant rewards, GRPO advantages, and the
+group's datums. With ``num_minibatches > 1`` (streaming) each minibatch
+goes to ``forward_backward`` as soon as it is complete; ``submit`` queues
+the rest: one optimizer step, or ``num_substeps`` of them, each on a part
+of the batch. Outside streaming, the datums are put in group order first:
+groups arrive in the order their rollouts finish, and the training must not
+depend on timing. ``train_metrics`` and ``record`` make the step's metrics
+line; every group also leaves one ledger entry saying what became of it.
+
+``WorkItem`` and ``RolloutResult`` are what the pipeline's queues carry
+(the dataloader's builders, the workers' groups).
+
+This module only queues training calls: it awaits nothing, knows nothing
+of the run's stages or shutdown, and must not import torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.metrics import reward_stats
+from rlengine.rl.types import EnvGroupBuilder, TrajectoryGroup
+from rlengine.types import AdamParams, Datum
+
+if TYPE_CHECKING:
+    from rlengine.core.clients import TrainingClient
+
+__all__ = ["RolloutResult", "StepBatch", "WorkItem"]
+
+
+class WorkItem(NamedTuple):
+    index: int
+    attempt: int
+    builder: EnvGroupBuilder
+
+
+class RolloutResult(NamedTuple):
+    item: WorkItem
+    group: TrajectoryGroup
+    seconds: float
+
+
+class StepBatch:
+    """What one training step collects from its groups, and the training calls it makes of them."""
+
+    def __init__(self, cfg: TrainConfig, training: TrainingClient, step: int, updates: int,
+                 policy_version: Callable[[int], int]) -> None:
+        self.cfg = cfg
+        self.training = training
+        self.step = step
+        self.updates = updates
+        """Optimizer updates applied before this step: what a group's staleness is measured against."""
+        self.policy_version = policy_version
+        """The run's policy version of an engine install counter value."""
+        self.consumed = 0
+        self.rewards: list[float] = []
+        self.counts: Counter[str] = Counter()
+        self.staleness: list[int] = []
+        self.tokens = 0
+        self.datums: list[Datum] = []
+        self.masks: list[np.ndarray] = []
+        self.pending_datums: list[Datum] = []
+        self.pending_keys: list[tuple[int, int, int]] = []
+        """(group index, attempt, datum) of each pending datum: the batch's order, whatever
+        order the groups arrived in."""
+        self.pending_groups = 0
+        self.fb: list[tuple[Any, list[int]]] = []
+        """(forward_backward future, indices of its datums) per submitted forward_backward."""
+        self.on_policy = 0
+        """How many of ``fb`` ran before the step's first optimizer update."""
+        self.ledger: list[dict[str, Any]] = []
+        self.env_metrics: dict[str, list[float]] = {}
+        self.tag_rewards: dict[str, list[float]] = {}
+
+    def intake(self, result: RolloutResult) -> WorkItem | None:
+        """One group into the step: stale filter, failures and survivors, advantages, datums.
+
+        Returns the retry of a stale group (the dataloader re-issues it), None for any other."""
+        cfg = self.cfg
+        item, group = result.item, result.group
+        spans = group.versions()
+        oldest = None if spans is None else self.policy_version(spans[0])
+        self.tokens += sum(t.sampled_tokens for t in group.trajectories)
+        entry: dict[str, Any] = {"step": self.step, "group": item.index, "attempt": item.attempt,
+                                 "versions": None if spans is None else [oldest, self.policy_version(spans[1])]}
+        if is_stale(oldest, self.updates, cfg.max_steps_off_policy):
+            self.counts["groups_resampled_stale"] += 1
+            self.ledger.append({**entry, "disposition": "resampled_stale"})
+            return WorkItem(item.index, item.attempt + 1, item.builder)
+        self.consumed += 1
+        verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
+                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
+        self.rewards += verdict.rewards
+        self.counts["attempts_failed"] += verdict.failed
+        for tag in group.tags:
+            self.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
+        for t in group.trajectories:
+            if not t.failed:
+                for tr in t.transitions:
+                    for key, value in tr.metrics.items():
+                        self.env_metrics.setdefault(key, []).append(float(value))
+        failures = [{"attempt": i, **_failure_record(t.failure), "metadata": t.metadata}
+                    for i, t in enumerate(group.trajectories) if t.failure is not None]
+        entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
+        if failures:
+            entry["failures"] = failures
+        if verdict.dropped is not None:
+            self.counts[f"groups_dropped_{verdict.dropped}"] += 1
+            self.ledger.append({**entry, "disposition": f"dropped_{verdict.dropped}"})
+            return None
+        self.ledger.append({**entry, "disposition": "trained"})
+        self.counts["groups_trained"] += 1
+        if oldest is not None:
+            self.staleness.append(self.updates - oldest)
+        for i, advantage in zip(verdict.kept, verdict.advantages):
+            for j, (datum, mask) in enumerate(trajectory_datums(group.trajectories[i], advantage,
+                                                                 with_mask=cfg.entropy_coef > 0)):
+                self.pending_datums.append(datum)
+                self.pending_keys.append((item.index, i, j))
+                self.masks.append(mask)
+        self.pending_groups += 1
+        if cfg.num_minibatches > 1 and self.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
+            self._submit_minibatch()
+        return None
+
+    def _in_group_order(self) -> None:
+        """Put the pending datums (and their masks) in group order: the groups arrive in
+        whatever order their rollouts finish, and the training must not depend on it."""
+        keys = self.pending_keys
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        first = len(self.masks) - len(keys)
+        self.pending_datums = [self.pending_datums[i] for i in order]
+        self.masks[first:] = [self.masks[first + i] for i in order]
+        self.pending_keys = [keys[i] for i in order]
+
+    def _submit_minibatch(self) -> None:
+        if self.pending_datums:
+            future = self.training.forward_backward(self.pending_datums, self.cfg.loss_fn, self.cfg.loss_fn_config())
+            first = len(self.datums)
+            self.fb.append((future, list(range(first, first + len(self.pending_datums)))))
+            self.datums += self.pending_datums
+        self.pending_datums, self.pending_keys, self.pending_groups = [], [], 0
+
+    def submit(self, adam: AdamParams) -> list[Any]:
+        """Queue the step's training calls; returns the optimizer steps' futures.
+
+        One optimizer step over the batch (its minibatches already streamed),
+        or with ``num_substeps`` K > 1 the datums shuffled (seeded by the step)
+        into K parts, each a forward_backward and an optimizer step: later
+        parts see weights already updated, which is where PPO's clipping acts.
+        """
+        cfg = self.cfg
+        if cfg.num_minibatches == 1:
+            self._in_group_order()
+        if cfg.num_substeps == 1:
+            self._submit_minibatch()
+            self.on_policy = len(self.fb)
+            return [self.training.optim_step(adam)] if self.fb else []
+        datums, self.pending_datums, self.pending_keys = self.pending_datums, [], []
+        self.datums = datums
+        order = np.random.default_rng([cfg.seed, self.step]).permutation(len(datums))
+        optims = []
+        for k in range(min(cfg.num_substeps, len(datums))):
+            idx = order[k::cfg.num_substeps].tolist()
+            self.fb.append((self.training.forward_backward([datums[i] for i in idx], cfg.loss_fn,
+                                                           cfg.loss_fn_config()), idx))
+            optims.append(self.training.optim_step(adam))
+        self.on_policy = min(1, len(self.fb))
+        return optims
+
+    def train_metrics(self, outputs: list[tuple[Any, list[int]]], optim_outs: list[Any]) -> dict[str, float]:
+        """Loss, entropy, grad norm, and the sampler-vs-trainer logprob KL over sampled tokens.
+
+        The KL is taken over the forward passes that ran before this step's
+        first optimizer update (all of them without substeps): there, any
+        difference between the two logprobs is sampler/trainer mismatch, not
+        learning."""
+        diffs = []
+        loss = entropy = 0.0
+        tokens = 0
+        for n, (out, idx) in enumerate(outputs):
+            loss += out.metrics.get("loss:sum", 0.0)
+            entropy += out.metrics.get("entropy:sum", 0.0)
+            for record, i in zip(out.loss_fn_outputs, idx):
+                mask = self.masks[i] > 0
+                tokens += int(mask.sum())
+                if n < self.on_policy:
+                    trainer_lp = record["logprobs"].to_numpy()[mask]
+                    sampler_lp = self.datums[i].loss_fn_inputs["logprobs"].to_numpy()[mask]
+                    diffs.append(sampler_lp.astype(np.float64) - trainer_lp)
+        d = np.concatenate(diffs) if diffs else np.zeros(0)
+        out: dict[str, float] = {"loss_sum": loss, "sampled_tokens_trained": tokens}
+        if d.size:
+            # k1 (mean log ratio) and k2 (half the mean squared log ratio) estimators.
+            out["kl_sample_train_v1"] = float(d.mean())
+            out["kl_sample_train_v2"] = float(0.5 * (d * d).mean())
+        if self.cfg.entropy_coef and tokens:
+            out["entropy_mean"] = entropy / tokens
+        norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)
+                 if "grad_norm" in m]
+        if norms:
+            out["grad_norm"] = float(np.mean(norms))
+        return out
+
+    def record(self, version: int, train_metrics: dict[str, float], *, wall: float, train_time_s: float,
+               sampler_idle_frac: float | None, time_s: float) -> dict[str, Any]:
+        """The step's metrics line; ``wall`` is the step's time, since the previous step ended."""
+        record: dict[str, Any] = {
+            "step": self.step, "version": version, **reward_stats(self.rewards),
+            "groups_trained": self.counts["groups_trained"],
+            "groups_dropped_constant_reward": self.counts["groups_dropped_constant_reward"],
+            "groups_dropped_too_few_survivors": self.counts["groups_dropped_too_few_survivors"],
+            "groups_resampled_stale": self.counts["groups_resampled_stale"],
+            "attempts_failed": self.counts["attempts_failed"], "datums": len(self.datums),
+            "staleness_mean": float(np.mean(self.staleness)) if self.staleness else float("nan"),
+            "staleness_max": max(self.staleness) if self.staleness else None,
+            **train_metrics, "tokens_sampled": self.tokens, "tokens_per_s": self.tokens / wall if wall else 0.0,
+            "step_time_s": wall, "train_time_s": train_time_s, "sampler_idle_frac": sampler_idle_frac,
+            "time_s": time_s,
+        }
+        record |= {f"env/{k}": float(np.mean(v)) for k, v in sorted(self.env_metrics.items())}
+        record |= {f"reward_mean/{k}": float(np.mean(v)) for k, v in sorted(self.tag_rewards.items())}
+        return record
+
+
+def _failure_record(failure: Any) -> dict[str, Any]:
+    return {"stage": failure.stage, "error": failure.error, "message": failure.message, "turn": failure.turn}

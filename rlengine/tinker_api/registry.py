@@ -1,0 +1,197 @@
+"""The resources of a Tinker server and who owns them: sessions, training models, sampling sessions, checkpoints.
+
+Every id the server hands out is looked up here. A ``Session`` (one
+``ServiceClient``) records the models and sampling sessions it created, by
+the SDK's sequence numbers, so a retried creation gets the same one back.
+Ids that are gone (a finished session, an unloaded model, a dropped
+sampling session) are remembered with the reason, bounded, so using one
+answers ``Gone`` saying why rather than "unknown".
+
+Ownership: a session belongs to the API key that created it (a digest of
+it, never the key), and so do its models, sampling sessions and
+checkpoints (by the owner their metadata records). Another key's id
+answers ``Forbidden``. Looking up a session, or one of its models, counts
+as a heartbeat. Finishing a session unloads its models after the calls
+already queued for them and drops its sampling sessions.
+
+Loop thread only. This module answers no API call itself (``service`` and
+its parts do) and starts no trainer work beyond releasing an unloaded
+model's trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+from rlengine.core.engine import Engine
+from rlengine.core.futures import RequestFuture
+from rlengine.errors import InvalidRequest
+from rlengine.tinker_api import checkpoints as ckpt
+from rlengine.tinker_api.config import TinkerServerConfig
+from rlengine.tinker_api.errors import Forbidden, Gone, LimitExceeded, NotSupported, UnknownResource
+from rlengine.tinker_api.sampling import SamplerWeights, SamplingSession
+from rlengine.tinker_api.training import TrainingModel
+
+__all__ = ["Registry", "Session"]
+
+_GONE_KEPT = 100_000
+
+
+class Session:
+    """A Tinker session (one ``ServiceClient``)."""
+
+    __slots__ = ("last_seen", "models", "owner", "samplers", "session_id")
+
+    def __init__(self, session_id: str, owner: str) -> None:
+        self.session_id = session_id
+        self.owner = owner
+        self.last_seen = time.monotonic()
+        self.models: dict[int, str] = {}
+        """model_seq_id -> the request id that created it (a retried creation gets it back)."""
+        self.samplers: dict[int, str] = {}
+        """sampling_session_seq_id -> sampling session id."""
+
+
+class Registry:
+    """The resources of one server by id, with their owners; see the module docstring. Loop thread only."""
+
+    def __init__(self, engine: Engine, config: TinkerServerConfig, root: str, weights: SamplerWeights) -> None:
+        self.engine = engine
+        self.config = config
+        self.root = root
+        """The checkpoint directory: every ``tinker://`` path of this server lives under it."""
+        self.weights = weights
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, SamplingSession] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()
+        """Ids of finished sessions, unloaded models and dropped sampling sessions -> why (bounded)."""
+
+    # -- what this server serves -----------------------------------------------------------
+
+    def base_model_names(self) -> list[str]:
+        cfg = self.engine.config
+        names = [cfg.model, self.engine.model_name]
+        if self.engine.model_path is not None:
+            names.append(self.engine.model_path)
+        return list(dict.fromkeys(names))
+
+    def check_base_model(self, field: str, name: str) -> None:
+        path = self.engine.model_path
+        if path is not None and os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(path):
+            return
+        if name not in self.base_model_names():
+            raise UnknownResource(field, name, f"this server serves {self.base_model_names()} "
+                                  "(a local model directory, or the engine's model name)")
+
+    def check_trainable(self) -> None:
+        # Before anything imports the trainers (and torch): the sim backend has no model to train.
+        if self.engine.model_path is None:
+            raise NotSupported("backend", self.engine.backend.name,
+                               "the Tinker API trains Hugging Face models; use backend 'torch' or 'vllm'")
+
+    # -- sessions -----------------------------------------------------------------------
+
+    def new_session(self, session_id: str, owner: str) -> Session:
+        session = self.sessions[session_id] = Session(session_id, owner)
+        return session
+
+    def session(self, owner: str, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            if session_id in self._gone:
+                raise Gone("session_id", session_id, self._gone[session_id])
+            raise UnknownResource("session_id", session_id, "no such session")
+        if session.owner != owner:
+            raise Forbidden("session_id", session_id, "belongs to another API key")
+        session.last_seen = time.monotonic()
+        return session
+
+    def finish(self, session: Session, why: str) -> None:
+        self.sessions.pop(session.session_id, None)
+        self._bury(session.session_id, why)
+        for model in [m for m in self.models.values() if m.session_id == session.session_id]:
+            self.unload(model, f"its session {session.session_id} ended: {why}")
+        for sid in [s for s, ss in self.samplers.items() if ss.session_id == session.session_id]:
+            del self.samplers[sid]
+            self._bury(sid, f"its session ended: {why}")
+
+    def _bury(self, resource_id: str, why: str) -> None:
+        """Remember why an id is gone, so using it says so (the oldest are forgotten past a bound)."""
+        self._gone[resource_id] = why
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    # -- models --------------------------------------------------------------------------
+
+    def model(self, owner: str, model_id: str) -> TrainingModel:
+        model = self.models.get(model_id)
+        if model is None:
+            if model_id in self._gone:
+                raise Gone("model_id", model_id, self._gone[model_id])
+            raise UnknownResource("model_id", model_id, "no such model")
+        if model.owner != owner:
+            raise Forbidden("model_id", model_id, "belongs to a session of another API key")
+        session = self.sessions.get(model.session_id)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        return model
+
+    def new_model(self, owner: str, session: Session, model_seq_id: int, base_model: str, lora: Any,
+                  user_metadata: dict[str, Any] | None) -> TrainingModel:
+        if len(self.models) >= self.config.max_models:
+            raise LimitExceeded("model_seq_id", model_seq_id, f"max_models={self.config.max_models} models are "
+                                "alive; unload one (or finish its session) first")
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        if model_id in self.models or model_id in self._gone:
+            raise InvalidRequest("model_seq_id", model_seq_id, f"already used in this session (model {model_id})")
+        model = TrainingModel(model_id, session.session_id, owner, base_model, lora, user_metadata)
+        self.models[model_id] = model
+        return model
+
+    def unload(self, model: TrainingModel, why: str) -> RequestFuture[Any]:
+        """Close the model; its trainer is released after the calls already queued for it."""
+        model.close(Gone("model_id", model.model_id, why))
+        self.models.pop(model.model_id, None)
+        self._bury(model.model_id, why)
+        self.weights.drop_model(model.model_id)
+        for taken in model.named_snapshots:
+            # Named snapshots stay usable from disk; their in-memory copies go with the model.
+            taken.pop("state", None)
+        return self.engine.submit_blocking("unload_model", lambda: setattr(model, "trainer", None))
+
+    # -- sampling sessions ----------------------------------------------------------------
+
+    def sampler(self, owner: str, sampling_session_id: str) -> SamplingSession:
+        ss = self.samplers.get(sampling_session_id)
+        if ss is None:
+            if sampling_session_id in self._gone:
+                raise Gone("sampling_session_id", sampling_session_id, self._gone[sampling_session_id])
+            raise UnknownResource("sampling_session_id", sampling_session_id, "no such sampling session")
+        if ss.owner != owner:
+            raise Forbidden("sampling_session_id", sampling_session_id, "belongs to a session of another API key")
+        return ss
+
+    def new_sampler(self, session: Session, seq: int, base_model: str, **kwargs: Any) -> SamplingSession:
+        sid = f"{session.session_id}:sample:{seq}"
+        if sid in self.samplers or seq in session.samplers:
+            raise InvalidRequest("sampling_session_seq_id", seq, f"sampling session {sid} already exists")
+        ss = SamplingSession(sid, session.session_id, session.owner, base_model, **kwargs)
+        self.samplers[sid] = ss
+        session.samplers[seq] = sid
+        return ss
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def checkpoint(self, owner: str, field: str, uri: str) -> tuple[ckpt.CheckpointPath, str, dict[str, Any]]:
+        path = ckpt.parse_path(field, uri)
+        directory, meta = ckpt.read_meta(self.root, path)
+        if meta.get("owner") != owner:
+            raise Forbidden(field, uri, "the checkpoint belongs to a session of another API key")
+        if meta.get("model_path") != self.engine.model_path:
+            raise InvalidRequest(field, uri, f"was trained on {meta.get('model_path')!r}, this server serves "
+                                 f"{self.engine.model_path!r}")
+        return path, directory, meta
