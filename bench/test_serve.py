@@ -40,12 +40,16 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from serving import REPO, Served, sim_config
+from rlengine.pytest_plugin import LocalServer
 
-from rlengine.serve import ServeConfig
-
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOAK_S = float(os.environ.get("RLENGINE_SOAK_S", "30"))
+
+
+def _sim(**sim: float) -> dict[str, object]:
+    """``rlengine_serve`` overrides for a sim engine named ``sim`` whose turns last until
+    ``max_tokens`` (like a model run with ignore_eos)."""
+    return {"model_name": "sim", "sim": {"gen_len": 10_000, "step_time_s": 0.001, **sim}}
 
 
 def _sandbox(code: str, *args: str, timeout: float = 600) -> str:
@@ -141,19 +145,17 @@ def _pct(values: list[int], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] / 1000.0
 
 
-def ping_round_trip(blocks: int = 21, per_block: int = 1000) -> dict[str, float]:
+def ping_round_trip(served: LocalServer, blocks: int = 21, per_block: int = 1000) -> dict[str, float]:
     import msgspec
 
     from rlengine import protocol as p
 
     frame = bytes(p.frame(msgspec.msgpack.Encoder(), p.Ping(id=1, payload=b"x")))
     echo, floor = _BlockingServer(protocol=False), _BlockingServer(protocol=True)
-    served = Served([sim_config()], ServeConfig(http=False))
     try:
         out = json.loads(_sandbox(PING_CLIENT, echo.path, floor.path, served.ipc_path, str(blocks), str(per_block),
                                   frame.hex()))
     finally:
-        served.close()
         floor.close()
         echo.close()
     res: dict[str, float] = {}
@@ -174,8 +176,9 @@ def ping_round_trip(blocks: int = 21, per_block: int = 1000) -> dict[str, float]
     return res
 
 
-def test_ipc_ping_round_trip(record):
-    r = record(ping_round_trip)
+def test_ipc_ping_round_trip(record, rlengine_serve):
+    served = rlengine_serve(serve={"http": False}, **_sim())
+    r = record(lambda: ping_round_trip(served))
     assert r["p50_ratio_ipc_over_floor"] <= r["target_ratio"], r
     assert r["ipc_requests_per_s"] >= r["target_requests_per_s"], r
 
@@ -224,20 +227,17 @@ print(json.dumps(out))
 """
 
 
-def chat_ipc_vs_http(n: int = 60) -> dict[str, float]:
-    served = Served([sim_config(step_time_s=0.0)], ServeConfig())
-    try:
-        out = json.loads(_sandbox(CHAT_CLIENT, served.ipc_path, served.http_url, str(n)))
-    finally:
-        served.close()
+def chat_ipc_vs_http(served: LocalServer, n: int = 60) -> dict[str, float]:
+    out = json.loads(_sandbox(CHAT_CLIENT, served.ipc_path, served.http_url, str(n)))
     res = {f"{name}_p50_us": statistics.median(times) * 1e6 for name, times in out.items()}
     res["ratio_http_over_ipc"] = res["http_p50_us"] / res["ipc_p50_us"]
     res["ratio_openai_client_over_ipc"] = res["openai_p50_us"] / res["ipc_p50_us"]
     return res
 
 
-def test_chat_over_ipc_vs_http(record):
-    r = record(chat_ipc_vs_http)
+def test_chat_over_ipc_vs_http(record, rlengine_serve):
+    served = rlengine_serve(**_sim(step_time_s=0.0))
+    r = record(lambda: chat_ipc_vs_http(served))
     assert r["ratio_http_over_ipc"] > 0, r
 
 
@@ -282,10 +282,9 @@ def _log_softmax(theta: np.ndarray) -> np.ndarray:
     return (t - m - math.log(np.exp(t - m).sum())).astype(np.float32)
 
 
-def soak(processes: int = 8, sessions_per_process: int = 32, seconds: float = SOAK_S,
+def soak(served: LocalServer, processes: int = 8, sessions_per_process: int = 32, seconds: float = SOAK_S,
          install_every_s: float = 2.0) -> dict[str, float]:
-    served = Served([sim_config(step_time_s=0.001)], ServeConfig(http=False))
-    engine = served.engines[0]
+    engine = served.engine
     thetas = {0: engine.backend.config.initial_weights()}
     tmp = tempfile.mkdtemp(prefix="rlengine-soak-")
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
@@ -312,10 +311,9 @@ def soak(processes: int = 8, sessions_per_process: int = 32, seconds: float = SO
         for i in range(processes):
             with open(os.path.join(tmp, f"{i}.json")) as f:
                 records += json.load(f)
-        traces = {r["session"]: served.on_loop(served.sessions.collect, r["session"]) for r in records}
-        leftover = served.on_loop(served.sessions.live)
+        traces = {r["session"]: served.call(served.sessions.collect, r["session"]) for r in records}
+        leftover = served.call(served.sessions.live)
     finally:
-        served.close()
         for name in os.listdir(tmp):
             os.unlink(os.path.join(tmp, name))
         os.rmdir(tmp)
@@ -351,8 +349,9 @@ def soak(processes: int = 8, sessions_per_process: int = 32, seconds: float = SO
             "sessions_left_open": len(leftover), "seconds": wall}
 
 
-def test_soak_256_sessions_with_installs(record):
-    r = record(soak)
+def test_soak_256_sessions_with_installs(record, rlengine_serve):
+    served = rlengine_serve(serve={"http": False}, **_sim(step_time_s=0.001))
+    r = record(lambda: soak(served))
     assert r["installs"] >= SOAK_S / 4, r  # one every few seconds (each waits for a drain)
     assert r["lost"] == 0 and r["duplicated"] == 0 and r["misversioned"] == 0, r
     assert r["sessions_left_open"] == 0 and r["turns"] > 1000, r
