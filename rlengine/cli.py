@@ -100,35 +100,35 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"torch threads: {threads['threads']} ({threads['why']})")
 
 
-def _bench_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+def _bench_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
     o, w = results["control_plane_overhead"], results["continuous_vs_wave"]
     return [
         ("control-plane overhead / request", f"{o['overhead_us_per_request']:.1f} us",
-         f"<= {o['target_us_per_request']:.0f} us",
-         f"{o['n_requests']} concurrent, engine {o['engine_ms']:.1f} ms vs backend alone "
-         f"{o['direct_backend_ms']:.1f} ms"),
+         (f"{o['n_requests']} concurrent, engine {o['engine_ms']:.1f} ms vs backend alone "
+          f"{o['direct_backend_ms']:.1f} ms")),
         ("mean turn latency wave / continuous", f"{w['latency_ratio_wave_over_continuous']:.2f}x",
-         f">= {w['target_latency_ratio']:.0f}x",
-         f"{w['agents']} agents x {w['turns']} turns: {w['wave_mean_turn_ms']:.0f} ms vs "
-         f"{w['continuous_mean_turn_ms']:.0f} ms"),
-        ("makespan wave / continuous", f"{w['makespan_ratio_wave_over_continuous']:.2f}x", ">= 1x",
+         (f"{w['agents']} agents x {w['turns']} turns: {w['wave_mean_turn_ms']:.0f} ms vs "
+          f"{w['continuous_mean_turn_ms']:.0f} ms")),
+        ("makespan wave / continuous", f"{w['makespan_ratio_wave_over_continuous']:.2f}x",
          f"{w['wave_makespan_s']:.2f} s vs {w['continuous_makespan_s']:.2f} s"),
     ]
 
 
 def bench(as_json: bool) -> int:
+    """The control-plane figures, measured here and now (the targets they are held to are
+    in ``bench/``, and what was measured in ``bench/RESULTS.md``)."""
     from rlengine.workloads import run_all
 
     results = run_all()
     if as_json:
         print(json.dumps(results, indent=2))
         return 0
-    rows = [("figure", "measured", "target", "detail"), *_bench_rows(results)]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    rows = [("figure", "measured", "detail"), *_bench_rows(results)]
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
     for i, row in enumerate(rows):
-        print("  ".join(cell.ljust(widths[j]) if j < 3 else cell for j, cell in enumerate(row)))
+        print("  ".join(cell.ljust(widths[j]) if j < 2 else cell for j, cell in enumerate(row)))
         if i == 0:
-            print("  ".join("-" * widths[j] for j in range(3)) + "  " + "-" * 6)
+            print("  ".join("-" * widths[j] for j in range(2)) + "  " + "-" * 6)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Each workload measures its figure *and* its baseline in the same run and
 returns both with their ratio, because absolute times on a shared machine
-drift; ratios measured side by side do not.
+drift; ratios measured side by side do not. What a figure must reach (the
+pass/fail targets) lives with the benchmarks in ``bench/``, not here.
 
 * ``control_plane_overhead``: 1,000 concurrent requests through the engine
   vs driving the same zero-cost sim backend directly; the difference per
@@ -80,7 +81,6 @@ def control_plane_overhead(n_requests: int = 1000, gen_len: int = 8, rounds: int
         "overhead_us_per_request": (e - d) / n_requests * 1e6,
         "overhead_cpu_us_per_request": (ec - dc) / n_requests * 1e6,
         "engine_us_per_request": e / n_requests * 1e6,
-        "target_us_per_request": 15.0,
     }
 
 
@@ -133,7 +133,6 @@ def continuous_vs_wave(n_agents: int = 64, n_turns: int = 8, gen_len: int = 8, s
         "continuous_makespan_s": c_span,
         "wave_makespan_s": w_span,
         "makespan_ratio_wave_over_continuous": w_span / c_span,
-        "target_latency_ratio": 3.0,
     }
 
 
@@ -189,7 +188,6 @@ def vllm_overhead(config: EngineConfig, n_prompts: int = 64, max_tokens: int = 3
         "direct_tokens_per_s": tokens / statistics.median(direct_s),
         "engine_tokens_per_s": tokens / statistics.median(engine_s),
         "throughput_ratio_engine_over_direct": statistics.median(ratios),
-        "target_ratio": 0.95,
     }
 
 
