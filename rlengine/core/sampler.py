@@ -194,28 +194,31 @@ class SamplerLoop:
     def _start(self, request: SampleRequest, lease: Lease) -> None:
         """An admitted sample: one sequence per sample, each sent to the backend with its seed."""
         request.lease = lease
-        self._requests[request.request_id] = request
-        n = request.spec.num_samples
-        base = request.spec.params.seed
+        rid = request.request_id
+        self._requests[rid] = request
+        spec = request.spec
+        n = spec.num_samples
+        base = spec.params.seed
         request.remaining = n
-        request.seqs = []
+        request.seqs = seqs = []
         for i in range(n):
             seed = self._rng.getrandbits(63) if base is None else derive_seed(base, i)
-            seq = Sequence(request, i, request.request_id if n == 1 else f"{request.request_id}.{i}", seed)
-            request.seqs.append(seq)
+            seq = Sequence(request, i, rid if n == 1 else f"{rid}.{i}", seed)
+            seqs.append(seq)
             self._seqs[seq.backend_id] = seq
-            self._to_add.append(self._backend_request(seq, request.spec.prompt))
+            self._to_add.append(self._backend_request(seq, spec.prompt))
         self.admitted += 1
 
     def _backend_request(self, seq: Sequence, prompt: bytes) -> BackendRequest:
         """The backend request of ``seq``: its prompt (with its tokens so far, when it resumes),
-        the tokens still wanted within the context, and its seed."""
+        the tokens still wanted within the context (at least one), and its seed."""
         request = seq.request
-        params = request.spec.params
+        spec = request.spec
+        params = spec.params
         room = self.backend.max_model_len - (len(prompt) >> 2)
         want = params.max_tokens if params.max_tokens is not None else room
         return BackendRequest(seq.backend_id, prompt, params, seq.seed, max(1, min(want - seq.length, room)),
-                              request.spec.prompt_logprobs and seq.index == 0 and not seq.length,
+                              spec.prompt_logprobs and seq.index == 0 and not seq.length,
                               self._stream or request.on_tokens is not None)
 
     # -- stepping -------------------------------------------------------------------
