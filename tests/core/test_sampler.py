@@ -200,3 +200,41 @@ def test_a_done_callback_that_raises_is_logged_and_the_others_still_run(caplog):
         assert engine.sample([1], 1).result(WAIT).sequences[0].length == 4  # still serving
     assert seen == [4]
     assert "a done-callback of request" in caplog.text
+
+
+class _Context:
+    """A backend's context length, all ``_admit`` reads of the backend."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 4), max_tokens=st.one_of(st.none(), st.integers(1, 300)), prompt_len=st.integers(1, 199),
+       seed=st.one_of(st.none(), st.integers(-2**40, 2**40)), streaming=st.booleans(), pause=st.booleans(),
+       logprobs=st.booleans())
+def test_admission_builds_what_the_backend_request_helper_builds(n, max_tokens, prompt_len, seed, streaming,
+                                                                  pause, logprobs):
+    """``_admit`` builds a fresh sequence's backend request inline (the hot path); it must be
+    exactly what ``_backend_request``, the helper resumed sequences use, builds for it."""
+    import asyncio
+
+    from rlengine.core.sampler import SamplerLoop
+
+    loop = asyncio.new_event_loop()
+    try:
+        sampler = SamplerLoop(_Context(200), None, continuous=True, drain_policy="pause" if pause else "wait",
+                              drain_timeout_s=1.0, seed=0)
+        spec = SampleSpec(array("i", range(1, prompt_len + 1)).tobytes(), n,
+                          rle.SamplingParams(max_tokens=max_tokens, seed=seed), logprobs)
+        request = new_sample("s1", spec, None, None, (lambda *a: None) if streaming else None, lambda rid: None)
+        sampler.gate.submit(request)
+        sampler._admit()
+        assert request.lease is not None and request.remaining == n and len(request.seqs) == n
+        assert [r.request_id for r in sampler._to_add] == (["s1"] if n == 1 else [f"s1.{i}" for i in range(n)])
+        for seq, built in zip(request.seqs, sampler._to_add):
+            assert built == sampler._backend_request(seq, spec.prompt)
+            if seed is not None:
+                assert built.seed == derive_seed(seed, seq.index)
+    finally:
+        loop.close()
