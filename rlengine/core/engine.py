@@ -386,8 +386,8 @@ class Engine:
             ids = memoryview(raw).cast("i")
             low, top = min(ids), max(ids)
         else:
-            array = np.frombuffer(raw, dtype=np.int32)
-            low, top = int(array.min()), int(array.max())
+            values = np.frombuffer(raw, dtype=np.int32)
+            low, top = int(values.min()), int(values.max())
         if top >= backend.vocab_size:
             raise InvalidRequest("prompt", top, f"token id >= vocab size {backend.vocab_size}")
         if low < 0:  # raw int32 (from a wire) can hold what ModelInput.from_ints refuses

@@ -98,23 +98,21 @@ class RequestFuture(Generic[T]):
             except Exception:  # one consumer's bug must not stop the settlement chain
                 log.exception("rlengine: a done-callback of request %s raised", self.request_id)
 
-    def set_result(self, value: T) -> bool:
-        """Settle with a result; False if it was already settled."""
-        cbs = self._store(_DONE, value)
+    def _settle(self, state: int, value: Any) -> bool:
+        cbs = self._store(state, value)
         if cbs is None:
             return False
         if cbs:
             self._run_callbacks(cbs)
         return True
 
+    def set_result(self, value: T) -> bool:
+        """Settle with a result; False if it was already settled."""
+        return self._settle(_DONE, value)
+
     def set_exception(self, exc: BaseException) -> bool:
         """Settle with an exception; False if it was already settled."""
-        cbs = self._store(_FAILED, exc)
-        if cbs is None:
-            return False
-        if cbs:
-            self._run_callbacks(cbs)
-        return True
+        return self._settle(_FAILED, exc)
 
     # -- inspection -----------------------------------------------------------
 
