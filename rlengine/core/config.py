@@ -103,6 +103,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     dtype: str = "float32"
     cache_dir: str | None = None
     """Where ``model="tiny"`` is built once; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
+    model_args: dict[str, object] = msgspec.field(default_factory=dict)
+    """Build parameters of ``model="tiny"`` (``rlengine.backends.torch.models.TINY_DEFAULTS``), e.g.
+    ``{"max_position_embeddings": 16384}`` for a context that holds an agent's prompt; each set of
+    parameters is its own cached model. Only for ``model="tiny"``."""
     engine_args: dict[str, object] = msgspec.field(default_factory=dict)
     """Passed through to the model backend (e.g. vLLM's ``tensor_parallel_size``)."""
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
@@ -123,6 +127,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError(f"seed={self.seed!r}: must be an integer")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigurationError(f"model={self.model!r}: must be 'tiny' or a local model directory")
+        if self.model_args:
+            if self.model != "tiny":
+                raise ConfigurationError(f"model_args={self.model_args!r}: build parameters of model='tiny' only "
+                                         f"(model={self.model!r} is loaded as it is; max_model_len caps its context)")
+            from rlengine.backends.torch.models import TINY_DEFAULTS  # torch-free: the build's parameter names
+
+            unknown = sorted(set(self.model_args) - set(TINY_DEFAULTS))
+            if unknown:
+                raise ConfigurationError(f"model_args {unknown}: not build parameters of model='tiny' "
+                                         f"(known: {', '.join(sorted(TINY_DEFAULTS))})")
 
     def resolved_continuous(self) -> bool:
         if self.continuous_sampling is None:

@@ -1,7 +1,8 @@
 """``rlengine serve [key=value ...]``: engines plus the IPC and HTTP servers, until a signal.
 
 Settings are ``key=value`` words: any ``EngineConfig`` field (``model``,
-``backend``, ``drain_policy``, ``sim.gen_len``, ...), any ``ServeConfig``
+``backend``, ``drain_policy``, ``sim.gen_len``, ``model_args.max_position_embeddings``,
+``engine_args.<name>``, ...), any ``ServeConfig``
 field (``socket_path``, ``port``, ``api_key``, ``http=false``, ...) and
 ``replicas=N`` (data-parallel engines on the one loop; replica i gets
 ``seed + i``). Values are parsed as JSON when they parse (``4``, ``true``,
@@ -80,10 +81,12 @@ def parse_settings(words: list[str]) -> tuple[Any, Any, int]:
             replicas = value
         elif top in engine_fields and sub:
             nested = {f.name: f.type for f in msgspec.structs.fields(EngineConfig)}[top]
-            known = getattr(nested, "__struct_fields__", ())
-            if sub not in known:
+            known = getattr(nested, "__struct_fields__", None)
+            if known is None and getattr(nested, "__origin__", None) is not dict:
+                raise ConfigurationError(f"setting {key!r}: {top} takes no sub-settings")
+            if known is not None and sub not in known:
                 raise ConfigurationError(f"setting {key!r}: unknown; {top}.* takes {', '.join(sorted(known))}")
-            engine.setdefault(top, {})[sub] = value
+            engine.setdefault(top, {})[sub] = value  # a dict field (model_args, engine_args) takes any key
         elif key in engine_fields:
             engine[key] = value
         elif key in serve_fields:

@@ -122,6 +122,26 @@ def test_prepare_builds_tiny_once_into_the_cache(tiny_model, model_cache):
         assert json.load(f)["params"] == models.TINY_DEFAULTS
 
 
+def test_model_args_build_a_tiny_model_with_a_longer_context(tmp_path):
+    """``EngineConfig.model_args`` are the tiny build's parameters: a context long enough for an
+    agent's prompt is a setting, built once into the cache under its own name."""
+    config = EngineConfig(model="tiny", cache_dir=str(tmp_path), model_args={**SMALL, "max_position_embeddings": 8192})
+    path = models.prepare(config)
+    assert os.path.basename(path) == models.tiny_dir_name(**{**SMALL, "max_position_embeddings": 8192})
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["max_position_embeddings"] == 8192
+    assert models.prepare(config) == path  # built once
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"model_args": {"max_positions": 8192}}, "max_positions"),
+    ({"model": "/some/local/model", "model_args": {"max_position_embeddings": 8192}}, "model_args"),
+])
+def test_model_args_are_checked_when_the_config_is_made(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        EngineConfig(**kwargs)
+
+
 def test_cache_dir_name_is_keyed_by_build_parameters():
     assert models.tiny_dir_name() == models.tiny_dir_name(**models.TINY_DEFAULTS)
     assert models.tiny_dir_name(seed=1) != models.tiny_dir_name()

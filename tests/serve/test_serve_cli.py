@@ -99,9 +99,17 @@ def test_settings_parse_into_engine_and_serve_configs():
                                               "http=false", "api_key=abc", "replicas=3", "socket_path=/x/y.sock"])
     assert (engine.backend, engine.sim.gen_len, engine.drain_policy) == ("sim", 7, "pause")
     assert (serve.http, serve.api_key, serve.socket_path, replicas) == (False, "abc", "/x/y.sock", 3)
-    for bad in (["replicas=0"], ["noequals"], ["port=-1"], ["drain_policy=sometimes"], ["sim.nope=1"]):
+    for bad in (["replicas=0"], ["noequals"], ["port=-1"], ["drain_policy=sometimes"], ["sim.nope=1"],
+                ["seed.x=1"], ["model_args.max_positions=4096"]):
         with pytest.raises(ConfigurationError):
             parse_settings(bad)
+
+
+def test_dict_settings_take_any_key_the_engine_then_checks():
+    engine, _, _ = parse_settings(["backend=torch", "model_args.max_position_embeddings=16384",
+                                   "max_model_len=16384", "engine_args.prefill_tokens=4096"])
+    assert engine.model_args == {"max_position_embeddings": 16384} and engine.max_model_len == 16384
+    assert engine.engine_args == {"prefill_tokens": 4096}
 
 
 def test_serve_with_tinker_api_answers_healthz_and_stops():

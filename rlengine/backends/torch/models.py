@@ -362,7 +362,7 @@ def prepare(config: Any) -> str:
     """Resolve ``config.model`` to a local model directory (registry entry point)."""
     model = config.model
     if model == "tiny":
-        return _build_cached(cache_root(config))
+        return _build_cached(cache_root(config), **dict(getattr(config, "model_args", None) or {}))
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ConfigurationError(f"model={model!r}: the directory has no config.json (not a Hugging Face "
