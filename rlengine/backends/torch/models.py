@@ -45,10 +45,45 @@ __all__ = ["CHAR_DEFAULTS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_DEFAULTS", 
 # vLLM and chat tooling recognise them).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
-# ChatML, as Qwen2 uses it; a generation prompt opens the assistant turn.
+# ChatML, as Qwen2 uses it, with tools in the Hermes / Qwen2.5 layout: the
+# tools' JSON schemas in the system turn, each assistant tool call as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> after the turn's text,
+# and consecutive tool results in one user turn of <tool_response> blocks. A
+# message's reasoning_content, if any, is kept in <think> before its text. A
+# generation prompt opens the assistant turn. Plain conversations render as
+# plain ChatML.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] }}"
+    "{%- if message.get('reasoning_content') %}"
+    "{{- '\\n<think>\\n' + message['reasoning_content'] + '\\n</think>\\n' }}{%- endif %}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}"
+    "{%- elif not message.get('tool_calls') %}{{- '\\n' }}{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{{- call['arguments'] | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -76,7 +111,7 @@ TINY_DEFAULTS: dict[str, Any] = {
 }
 # Bumped whenever build_tiny's output changes for the same parameters, so a
 # cache built by an older rlengine is not reused.
-_BUILD_FORMAT = 1
+_BUILD_FORMAT = 2
 
 
 # -- the generated corpus and the tokenizer -------------------------------------------
