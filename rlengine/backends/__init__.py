@@ -51,6 +51,9 @@ SPECS: dict[str, BackendSpec] = {
     "sim": BackendSpec((), None, "rlengine.backends.sim:build", "rlengine.trainer.sim:build"),
     "torch": BackendSpec(("torch", "transformers"), "rlengine.backends.torch.models:prepare",
                          "rlengine.backends.torch.backend:build", "rlengine.trainer.torch_trainer:build"),
+    # Completions given as text (tests of agents and API shapes); the torch trainer trains.
+    "scripted": BackendSpec(("torch", "transformers"), "rlengine.backends.torch.models:prepare",
+                            "rlengine.backends.scripted:build", "rlengine.trainer.torch_trainer:build_beside_scripted"),
     # vLLM samples; the torch trainer trains (the same model directory).
     "vllm": BackendSpec(("vllm", "torch", "transformers"), "rlengine.backends.torch.models:prepare",
                         "rlengine.backends.vllm_backend:build", "rlengine.trainer.torch_trainer:build"),

@@ -82,7 +82,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """How to build an ``Engine``.
 
     ``backend``: ``auto`` picks the best model backend available; ``sim`` is
-    the deterministic simulator. ``drain_policy``: before blocking work,
+    the deterministic simulator; ``scripted`` returns completions given as
+    text (``engine_args["script"]``), for tests of agents without trained weights. ``drain_policy``: before blocking work,
     ``wait`` lets in-flight samples finish; ``pause`` aborts them, keeps
     their tokens and continues them afterwards on the new weights.
     ``continuous_sampling`` None reads ``RLENGINE_CONTINUOUS_SAMPLING``.
@@ -90,7 +91,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     model: str = "tiny"
     model_name: str | None = None
-    backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
+    backend: Literal["auto", "sim", "torch", "vllm", "scripted"] = "auto"
     drain_policy: Literal["wait", "pause"] = "wait"
     drain_timeout_s: float = 600.0
     continuous_sampling: bool | None = None
@@ -112,8 +113,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "sim", "torch", "vllm"):
-            raise ConfigurationError(f"backend={self.backend!r}: must be auto, sim, torch or vllm")
+        if self.backend not in ("auto", "sim", "torch", "vllm", "scripted"):
+            raise ConfigurationError(f"backend={self.backend!r}: must be auto, sim, torch, vllm or scripted")
         if self.drain_policy not in ("wait", "pause"):
             raise ConfigurationError(f"drain_policy={self.drain_policy!r}: must be 'wait' or 'pause'")
         _positive("drain_timeout_s", self.drain_timeout_s)

@@ -37,6 +37,7 @@ import os
 import shutil
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
@@ -279,3 +280,11 @@ def build(config: Any, model_path: str | None) -> TorchTrainer:
     args = engine_args(config)
     return TorchTrainer(model_path, device=pick_device(config), compute_dtype=torch_dtype(config),
                         max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"])
+
+
+def build_beside_scripted(config: Any, model_path: str | None) -> TorchTrainer:
+    """Registry entry point of the trainer beside the scripted backend: the torch trainer on the
+    same model directory (``engine_args["script"]`` is the backend's, not the trainer's)."""
+    given = dict(config.engine_args or {})
+    given.pop("script", None)
+    return build(msgspec.structs.replace(config, engine_args=given), model_path)
