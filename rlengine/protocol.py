@@ -34,11 +34,44 @@ import msgspec
 from rlengine.errors import RequestError, RLEngineError
 
 __all__ = [
-    "DEFAULT_MAX_FRAME", "ERROR_CODES", "HEADER", "Ack", "BadFrame", "BadMessage", "Chat", "Choice",
-    "CloseSession", "ConnectionLost", "Error", "FrameReader", "FrameTooLarge", "Generate", "GetTrace", "Message",
-    "OpenSession", "Ping", "Pong", "Reply", "Request", "Reward", "Sampling", "ServeError", "SessionExists",
-    "SessionForbidden", "SessionGone", "SessionNotFound", "SessionOpened", "TraceReply", "TurnAborted",
-    "TurnReply", "Unavailable", "Unsupported", "WireTrajectory", "error_from_wire", "frame",
+    "DEFAULT_MAX_FRAME",
+    "ERROR_CODES",
+    "HEADER",
+    "Ack",
+    "BadFrame",
+    "BadMessage",
+    "Chat",
+    "Choice",
+    "CloseSession",
+    "ConnectionLost",
+    "Error",
+    "FrameReader",
+    "FrameTooLarge",
+    "Generate",
+    "GetTrace",
+    "Message",
+    "OpenSession",
+    "Ping",
+    "Pong",
+    "Reply",
+    "Request",
+    "Reward",
+    "Sampling",
+    "ServeError",
+    "SessionExists",
+    "SessionForbidden",
+    "SessionGone",
+    "SessionNotFound",
+    "SessionOpened",
+    "ToolCallOut",
+    "TraceReply",
+    "TurnAborted",
+    "TurnReply",
+    "Unavailable",
+    "Unsupported",
+    "WireTrajectory",
+    "error_from_wire",
+    "frame",
 ]
 
 HEADER = struct.Struct("<I")
@@ -171,6 +204,14 @@ class Sampling(_Wire):
     ignore_eos: bool = False
 
 
+class ToolCallOut(_Wire):
+    """A tool call a completion made (OpenAI's shape: ``arguments`` is a JSON object as text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class Choice(_Wire):
     """One sampled completion of a turn."""
 
@@ -180,7 +221,10 @@ class Choice(_Wire):
     versions_raw: bytes
     """The policy version that sampled each token."""
     text: str | None = None
-    """The completion's text (chat turns; None for token turns)."""
+    """The completion's text (chat turns; None for token turns, and for a chat turn that
+    only called tools); stop strings are not part of it (the tokens keep them, as sampled)."""
+    tool_calls: list[ToolCallOut] | None = None
+    """The tool calls the completion made (chat turns with tools), parsed from its text."""
 
     @property
     def tokens(self) -> list[int]:

@@ -36,13 +36,15 @@ the engine.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from rlengine.errors import InvalidRequest
 
 __all__ = ["Boundary", "ByteRenderer", "ChatRenderer", "TemplateRenderer", "TextStream", "assistant_tail",
-           "normalize_messages", "render_chat", "suffix_text"]
+           "check_tool_results", "message_key", "normalize_messages", "normalize_tools", "render_chat", "suffix_text"]
 
 
 class Boundary(NamedTuple):
@@ -61,69 +63,184 @@ class ChatRenderer(Protocol):
     stop_ids: frozenset[int]
     """Tokens that end an assistant turn (their text belongs to the template's closing)."""
 
-    def render(self, messages: list[dict[str, str]], generation: bool) -> str: ...
+    def render(self, messages: list[dict[str, Any]], generation: bool,
+               tools: list[dict[str, Any]] | None = None) -> str: ...
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Messages as plain ``{"role", "content"[, "name"]}`` dicts; bad ones raise ``InvalidRequest``."""
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _get(m: Any, key: str) -> Any:
+    return m.get(key) if isinstance(m, dict) else getattr(m, key, None)
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as plain dicts for a chat template; bad ones raise ``InvalidRequest`` naming the field.
+
+    Each is ``{"role", "content"}`` (text), with ``name``, ``tool_call_id`` (a
+    tool result) or ``reasoning_content`` when given; an assistant message may
+    carry ``tool_calls`` (OpenAI's shape, its ``arguments`` a JSON object as
+    text or as an object), kept as ``{"id", "type": "function", "function":
+    {"name", "arguments": {...}}}`` (the shape chat templates render), and
+    then its ``content`` may be None (rendered as no text).
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequest("messages", messages, "must be a non-empty list of messages")
     out = []
     for i, m in enumerate(messages):
-        if isinstance(m, dict):
-            role, content, name = m.get("role"), m.get("content"), m.get("name")
-        else:
-            role, content, name = getattr(m, "role", None), getattr(m, "content", None), getattr(m, "name", None)
+        role, content = _get(m, "role"), _get(m, "content")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role", role, "must be a non-empty string")
+        calls = _get(m, "tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise InvalidRequest(f"messages[{i}].tool_calls", role, "only assistant messages carry tool calls")
+            if content is None:
+                content = ""
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content", content, "must be a string")
-        message = {"role": role, "content": content}
-        if name is not None:
-            if not isinstance(name, str):
-                raise InvalidRequest(f"messages[{i}].name", name, "must be a string")
-            message["name"] = name
+        message: dict[str, Any] = {"role": role, "content": content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            value = _get(m, key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise InvalidRequest(f"messages[{i}].{key}", value, "must be a string")
+                message[key] = value
+        if role == "tool" and "tool_call_id" not in message:
+            raise InvalidRequest(f"messages[{i}].tool_call_id", None, "a tool message answers a call: give its id")
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
         out.append(message)
     return out
 
 
-def suffix_text(renderer: ChatRenderer, messages: list[dict[str, str]], boundary: Boundary,
-                full: str | None = None) -> str | None:
+def _tool_calls(calls: Any, field: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, (list, tuple)):
+        raise InvalidRequest(field, calls, "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{field}[{j}]"
+        function = _get(call, "function")
+        name, arguments = _get(function, "name"), _get(function, "arguments")
+        if function is None or not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequest(f"{where}.function.name", name, "must be a function name (1-64 of A-Za-z0-9_.-)")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as exc:
+                raise InvalidRequest(f"{where}.function.arguments", arguments, f"not JSON: {exc}") from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(f"{where}.function.arguments", arguments, "must be a JSON object")
+        call_id = _get(call, "id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequest(f"{where}.id", call_id, "must be a string")
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return out
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI function tools, checked (``InvalidRequest`` naming the field); None or [] is no tools."""
+    if not tools:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequest("tools", tools, "must be a list of tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        if _get(tool, "type") != "function":
+            raise InvalidRequest(f"tools[{i}].type", _get(tool, "type"), "must be 'function'")
+        function = _get(tool, "function")
+        name = _get(function, "name")
+        if function is None or not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequest(f"tools[{i}].function.name", name, "must be a function name (1-64 of A-Za-z0-9_.-)")
+        if name in names:
+            raise InvalidRequest(f"tools[{i}].function.name", name, "is given twice")
+        names.add(name)
+        entry: dict[str, Any] = {"name": name}
+        description = _get(function, "description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise InvalidRequest(f"tools[{i}].function.description", description, "must be a string")
+            entry["description"] = description
+        parameters = _get(function, "parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict) or not isinstance(parameters.get("type", "object"), str):
+                raise InvalidRequest(f"tools[{i}].function.parameters", parameters, "must be a JSON schema object")
+            entry["parameters"] = parameters
+        out.append({"type": "function", "function": entry})
+    return out
+
+
+def check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Every tool message answers a call an earlier assistant message made."""
+    called: set[str | None] = set()
+    for i, m in enumerate(messages):
+        called.update(call["id"] for call in m.get("tool_calls", ()))
+        # Calls without ids (written in a framework's own shape) can be answered by any id.
+        if m["role"] == "tool" and m["tool_call_id"] not in called and None not in called:
+            raise InvalidRequest(f"messages[{i}].tool_call_id", m["tool_call_id"],
+                                 "answers no tool call of an earlier assistant message")
+
+
+def message_key(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a message for matching a resent history: its role, text, name, the
+    calls it makes (names and arguments, not the ids a framework may rewrite) and what it answers."""
+    calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+                  for c in message.get("tool_calls", ()))
+    return (message["role"], message["content"], message.get("name"), calls, message.get("tool_call_id"),
+            message.get("reasoning_content"))
+
+
+def suffix_text(renderer: ChatRenderer, messages: list[dict[str, Any]], boundary: Boundary,
+                full: str | None = None, tools: list[dict[str, Any]] | None = None) -> str | None:
     """The text to tokenize after ``boundary`` for ``messages`` (+ generation prompt), or None
     if the template does not render ``messages`` as an extension of the boundary's text."""
     if full is None:
-        full = renderer.render(messages, True)
+        full = renderer.render(messages, True, tools)
     if boundary.count == 0 and not boundary.generation:
         return boundary.tail + full
-    head = renderer.render(messages[:boundary.count], boundary.generation)
+    head = renderer.render(messages[:boundary.count], boundary.generation, tools)
     if not full.startswith(head):
         return None
     return boundary.tail + full[len(head):]
 
 
-def assistant_tail(renderer: ChatRenderer, messages: list[dict[str, str]], content: str,
-                   sampled: Sequence[int], before: str | None = None) -> str | None:
+def assistant_tail(renderer: ChatRenderer, messages: list[dict[str, Any]], reply: dict[str, Any],
+                   sampled: Sequence[int], before: str | None = None, tools: list[dict[str, Any]] | None = None,
+                   parser: Any = None) -> str | None:
     """What the template still owes after the sampled tokens of an assistant turn.
 
-    ``content`` is the turn's text as returned to the client. None when the
-    template does not render the assistant message as ``content`` plus a
-    closing (then the turn's end is not a boundary, and a conversation
-    continuing from it branches at the previous one). ``before`` is
-    ``renderer.render(messages, True)`` if the caller has it.
+    ``reply`` is the assistant message as returned to the client (its text,
+    and its tool calls if it made any). The template's rendering of it must
+    be the model's own output plus a closing: the text verbatim, and tool
+    calls that ``parser`` reads back as the same calls (the template may
+    write their JSON differently than the model did: the trace keeps what was
+    sampled). None otherwise (then the turn's end is not a boundary, and a
+    conversation continuing from it branches at the previous one).
+    ``before`` is ``renderer.render(messages, True, tools)`` if the caller has it.
     """
     if before is None:
-        before = renderer.render(messages, True)
-    after = renderer.render([*messages, {"role": "assistant", "content": content}], False)
+        before = renderer.render(messages, True, tools)
+    after = renderer.render([*messages, reply], False, tools)
     if not after.startswith(before):
         return None
     rendered = after[len(before):]
-    if not rendered.startswith(content):
+    content = reply["content"]
+    if reply.get("tool_calls"):
+        if parser is None:
+            return None
+        body, closing = parser.split_closing(rendered)
+        again = parser.parse(body)
+        if (again.content or "") != content or [(c.name, json.loads(c.arguments)) for c in again.tool_calls] != [
+                (c["function"]["name"], c["function"]["arguments"]) for c in reply["tool_calls"]]:
+            return None
+    elif rendered.startswith(content):
+        closing = rendered[len(content):]
+    else:
         return None
-    closing = rendered[len(content):]
     if sampled and sampled[-1] in renderer.stop_ids:
         stop_text = renderer.decode([sampled[-1]], skip_special=False)
         if closing.startswith(stop_text):
@@ -148,11 +265,13 @@ class TemplateRenderer:
         stop.update(int(t) for t in getattr(tokenizer, "all_special_ids", ()) or ())
         self.stop_ids = frozenset(stop)
 
-    def render(self, messages: list[dict[str, str]], generation: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], generation: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation)
         except TemplateError as exc:
             raise InvalidRequest("messages", "chat", f"the chat template rejected them: {exc}") from None
 
@@ -188,7 +307,11 @@ class ByteRenderer:
     name = "bytes"
     stop_ids: frozenset[int] = frozenset()
 
-    def render(self, messages: list[dict[str, str]], generation: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], generation: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+            raise InvalidRequest("tools", "bytes", "the byte renderer (a backend without a tokenizer) has no tool "
+                                 "format; serve a model with a chat template that renders tools")
         text = "".join(f"<{m['role']}>\n{m['content']}\n</{m['role']}>\n" for m in messages)
         return text + "<assistant>\n" if generation else text
 

@@ -45,10 +45,17 @@ class ParsedTurn(NamedTuple):
 
 class ToolParser(Protocol):
     name: str
+    start_marker: str
+    """The text a tool call begins with (a stream holds back content from there)."""
     malformed: int
     """How many turns held tool-call markup that did not parse."""
 
     def parse(self, text: str) -> ParsedTurn: ...
+
+    def split_closing(self, rendered: str) -> tuple[str, str]:
+        """A template's rendering of an assistant turn with tool calls, as (what the model would
+        have generated, the template's closing after it)."""
+        ...
 
 
 def new_call_id() -> str:
@@ -67,6 +74,7 @@ class HermesParser:
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    start_marker = OPEN
     _decoder = json.JSONDecoder()
 
     def __init__(self) -> None:
@@ -109,6 +117,13 @@ class HermesParser:
         if not isinstance(arguments, dict):
             return None
         return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def split_closing(self, rendered: str) -> tuple[str, str]:
+        end = rendered.rfind(self.CLOSE)
+        if end < 0:
+            return rendered, ""
+        end += len(self.CLOSE)
+        return rendered[:end], rendered[end:]
 
     def _refuse(self, text: str) -> ParsedTurn:
         self.malformed += 1

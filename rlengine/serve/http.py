@@ -2,12 +2,21 @@
 
 Endpoints:
 
-* ``GET /v1/models`` - the served model;
+* ``GET /v1/models``, ``GET /v1/models/{id}`` - the served model;
 * ``POST /v1/chat/completions`` - non-streaming and streaming (SSE) chat
   completions. With a session id (``X-Session-ID`` header or ``session_id``
   body field) and its token (``X-Session-Token`` header or ``session_token``
   field), the turn is a session turn: traced exactly, pinned to the
-  session's replica. Without one it is a stateless completion (not traced);
+  session's replica. Without one it is a stateless completion (not traced).
+  ``tools`` are rendered by the model's chat template and each completion's
+  tool calls parsed from its text (``rlengine.tool_parsers``): they come back
+  as ``message.tool_calls`` with ``finish_reason: "tool_calls"``, streamed as
+  ``tool_calls`` deltas after the text; the history may hold assistant
+  messages with ``tool_calls`` (content null or text) and ``role: "tool"``
+  results. ``tool_choice`` ``auto`` and ``none`` are honoured, ``required``,
+  a named function and ``response_format`` json modes are refused (they need
+  constrained decoding), never ignored; ``parallel_tool_calls: false`` returns
+  at most one call. Stop strings are not part of the returned text;
 * ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional),
   ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
   (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
@@ -57,10 +66,24 @@ class _ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class _FunctionCall(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _ToolCall(msgspec.Struct, frozen=True):
+    function: _FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class _Message(msgspec.Struct, frozen=True):
     role: str
     content: str | list[_ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class _StreamOptions(msgspec.Struct, frozen=True):
@@ -68,7 +91,7 @@ class _StreamOptions(msgspec.Struct, frozen=True):
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
-    """The body of ``POST /v1/chat/completions`` (the fields rlengine honours; others are ignored)."""
+    """The body of ``POST /v1/chat/completions`` (the fields rlengine honours or refuses; others are ignored)."""
 
     messages: list[_Message]
     model: str | None = None
@@ -87,6 +110,10 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     session_id: str | None = None
     session_token: str | None = None
 
@@ -99,7 +126,7 @@ class _RewardBody(msgspec.Struct, frozen=True):
     value: float
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -107,13 +134,41 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             if any(p.type != "text" or p.text is None for p in content):
                 raise Unsupported(f"messages[{i}].content: only text parts are supported")
             content = "".join(p.text or "" for p in content)
-        if content is None:
-            raise InvalidValue(f"messages[{i}].content=None: must be text (tool calls are not supported)")
-        message = {"role": m.role, "content": content}
-        if m.name is not None:
-            message["name"] = m.name
+        if content is None and not m.tool_calls:
+            raise InvalidValue(f"messages[{i}].content=None: must be text (or the message must make tool calls)")
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        if m.tool_calls is not None:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                              "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
         out.append(message)
     return out
+
+
+def _tool_choice(req: ChatCompletionRequest) -> bool:
+    """Whether tool calls are parsed from the completions (``tool_choice`` none: not)."""
+    choice = req.tool_choice
+    if choice is None or choice == "auto":
+        return True
+    if choice == "none":
+        return False
+    if choice == "required" or isinstance(choice, dict):
+        raise Unsupported(f"tool_choice={choice!r}: forcing a tool call needs constrained decoding, which this "
+                          "server does not do yet; use 'auto' or 'none'")
+    raise InvalidRequest("tool_choice", choice, "must be 'auto', 'none', 'required' or a named function")
+
+
+def _response_format(req: ChatCompletionRequest) -> None:
+    kind = None if req.response_format is None else req.response_format.get("type")
+    if kind in (None, "text"):
+        return
+    if kind in ("json_object", "json_schema"):
+        raise Unsupported(f"response_format.type={kind!r}: honouring it needs constrained decoding, which this "
+                          "server does not do yet (refused rather than ignored)")
+    raise InvalidRequest("response_format.type", kind, "must be 'text', 'json_object' or 'json_schema'")
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -153,6 +208,7 @@ class HttpServer:
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
         self.app.add_routes([
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id}", self.model),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/sessions", self.open_session),
             web.delete("/v1/sessions/{session_id}", self.close_session),
@@ -238,9 +294,19 @@ class HttpServer:
 
     # -- handlers -----------------------------------------------------------------------
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rlengine"}
+
     async def models(self, request: web.Request) -> web.Response:
-        return self._json({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rlengine"}]})
+        return self._json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.model_name:
+            body = {"error": {"message": f"model {model_id!r}: this server serves {self.model_name!r}",
+                              "type": "invalid_request_error", "code": "not_found", "param": "model"}}
+            return web.json_response(body, status=404)
+        return self._json(self._model_card())
 
     async def open_session(self, request: web.Request) -> web.Response:
         body = await self._decode(request, self._session_decoder) if request.can_read_body else _SessionBody()
@@ -275,9 +341,12 @@ class HttpServer:
             raise InvalidRequest("model", req.model, f"this server serves {self.model_name!r} (see /v1/models)")
         session = self._session_from(request, req.session_id, req.session_token)
         messages, params = _messages(req), _sampling(req)
+        parse = _tool_choice(req)
+        _response_format(req)
         if req.stream:
-            return await self._stream(request, req, session, messages, params)
-        fut = self.sessions.chat(session, messages, params, req.n)
+            return await self._stream(request, req, session, messages, params, parse)
+        fut = self.sessions.chat(session, messages, params, req.n, tools=req.tools, parse_tool_calls=parse,
+                                 one_tool_call=req.parallel_tool_calls is False)
         try:
             result = await fut
         except asyncio.CancelledError:
@@ -291,8 +360,8 @@ class HttpServer:
         body: dict[str, Any] = {
             "id": f"chatcmpl-{result.request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.stop_reason, "logprobs": self._logprobs(c) if logprobs else None}
+            "choices": [{"index": i, "message": self._message(c), "finish_reason": _finish_reason(c),
+                         "logprobs": self._logprobs(c) if logprobs else None}
                         for i, c in enumerate(result.choices)],
             "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": result.prompt_tokens + completion_tokens},
@@ -300,6 +369,13 @@ class HttpServer:
         if session is not None:
             body["session_id"] = session.session_id
         return body
+
+    @staticmethod
+    def _message(choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:
+            message["tool_calls"] = _tool_call_list(choice)
+        return message
 
     def _logprobs(self, choice: Choice) -> dict[str, Any]:
         renderer = self.sessions.renderer
@@ -312,7 +388,7 @@ class HttpServer:
         return {"content": content}
 
     async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
-                      messages: list[dict[str, str]], params: SamplingParams) -> web.StreamResponse:
+                      messages: list[dict[str, Any]], params: SamplingParams, parse: bool) -> web.StreamResponse:
         renderer = self.sessions.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template")
@@ -322,7 +398,8 @@ class HttpServer:
             queue.put_nowait((index, ids))
 
         # Validation errors raise here, before any byte of the response is sent.
-        fut = self.sessions.chat(session, messages, params, req.n, on_tokens=on_tokens)
+        fut = self.sessions.chat(session, messages, params, req.n, on_tokens=on_tokens, tools=req.tools,
+                                 parse_tool_calls=parse, one_tool_call=req.parallel_tool_calls is False)
         fut.add_done_callback(lambda _f: queue.put_nowait(None))
         chunk_id, created = f"chatcmpl-{fut.request_id}", int(time.time())
         encode = self._encoder.encode
@@ -334,8 +411,13 @@ class HttpServer:
                 body["usage"] = usage
             return b"data: " + encode(body) + b"\n\n"
 
+        # Text that may turn out to be a tool call's markup, or the stop string the
+        # reply ends before, is held back until the turn's end settles it.
+        held = tuple(params.stop_strings)
+        if req.tools and parse and self.sessions.tool_parser is not None:
+            held += (self.sessions.tool_parser.start_marker,)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        streams = [TextStream(renderer) for _ in range(req.n)]
+        streams = [_ContentStream(renderer, held) for _ in range(req.n)]
         try:
             await response.prepare(request)
             await response.write(b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -354,8 +436,12 @@ class HttpServer:
                 result = fut.result(0)
                 for i, choice in enumerate(result.choices):
                     rest = streams[i].finish(choice.text or "")
-                    delta = {"content": rest} if rest else {}
-                    await response.write(chunk([{"index": i, "delta": delta, "finish_reason": choice.stop_reason}]))
+                    if rest:
+                        await response.write(chunk([{"index": i, "delta": {"content": rest}, "finish_reason": None}]))
+                    for k, call in enumerate(_tool_call_list(choice)):
+                        await response.write(chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]},
+                                                     "finish_reason": None}]))
+                    await response.write(chunk([{"index": i, "delta": {}, "finish_reason": _finish_reason(choice)}]))
                 if req.stream_options is not None and req.stream_options.include_usage:
                     completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
                     await response.write(chunk([], {"prompt_tokens": result.prompt_tokens,
@@ -369,3 +455,54 @@ class HttpServer:
             raise
         return response
 
+
+def _finish_reason(choice: Choice) -> str:
+    return "tool_calls" if choice.tool_calls else choice.stop_reason
+
+
+def _tool_call_list(choice: Choice) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in choice.tool_calls or ()]
+
+
+class _ContentStream:
+    """The text deltas of one streamed choice, holding back what may not be content.
+
+    Text from where a held string (a stop string, the start of a tool call)
+    begins, or could begin, is not sent while the turn runs; ``finish``
+    sends what of the final content is still owed (the content the reply
+    has, without stop strings and tool-call markup).
+    """
+
+    def __init__(self, renderer: Any, held: tuple[str, ...]) -> None:
+        self._text = TextStream(renderer)
+        self._held = held
+        self._seen = ""
+        self._sent = ""
+        self._stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        self._seen += self._text.push(ids)
+        if self._stopped:
+            return ""
+        safe = len(self._seen)
+        for marker in self._held:
+            found = self._seen.find(marker, max(0, len(self._sent) - len(marker)))
+            if found >= 0:
+                self._stopped = True
+                safe = min(safe, found)
+                continue
+            for k in range(min(len(marker) - 1, len(self._seen)), 0, -1):
+                if marker.startswith(self._seen[-k:]):
+                    safe = min(safe, len(self._seen) - k)
+                    break
+        if self._held:  # a newline may be the separator before a tool call, which the content drops
+            safe = len(self._seen[:safe].rstrip("\n"))
+        delta = self._seen[len(self._sent):safe] if safe > len(self._sent) else ""
+        self._sent += delta
+        return delta
+
+    def finish(self, content: str) -> str:
+        rest = content[len(self._sent):] if content.startswith(self._sent) else ""
+        self._sent = content
+        return rest

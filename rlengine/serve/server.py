@@ -38,6 +38,7 @@ from rlengine.render import ByteRenderer, ChatRenderer, TemplateRenderer
 from rlengine.serve.ipc import IpcServer
 from rlengine.serve.router import SessionRouter
 from rlengine.serve.sessions import SessionManager
+from rlengine.tool_parsers import PARSERS, parser_for
 from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     trace_max_bytes: int = DEFAULT_MAX_BYTES
     grace_s: float = 5.0
     """On shutdown, how long turns in flight may finish before they are aborted."""
+    tool_parser: str | None = None
+    """How the model writes tool calls (``rlengine.tool_parsers``: ``hermes``, ...); None picks it
+    from the model's chat template (no tool format there: requests with tools are refused)."""
 
     def __post_init__(self) -> None:
         for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones"):
@@ -88,6 +92,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError(f"trace_max_bytes={self.trace_max_bytes!r}: must be an integer >= 0")
         if not (self.ipc or self.http):
             raise ConfigurationError("ipc=False and http=False: nothing to serve")
+        if self.tool_parser is not None and self.tool_parser not in PARSERS:
+            raise ConfigurationError(f"tool_parser={self.tool_parser!r}: unknown; known: {', '.join(sorted(PARSERS))}")
 
 
 def _renderer_for(engine: Engine) -> ChatRenderer | None:
@@ -151,7 +157,10 @@ class Server:
         self._loop = loop
         # Loading a tokenizer takes a while: never on the loop.
         renderer = await asyncio.to_thread(_renderer_for, self.engines[0])
-        self.sessions = SessionManager(self.router, self.store, renderer)
+        template = getattr(getattr(renderer, "tokenizer", None), "chat_template", None)
+        self.sessions = SessionManager(self.router, self.store, renderer,
+                                       parser_for(template if isinstance(template, str) else None,
+                                                  self.config.tool_parser))
         cfg = self.config
         try:
             if cfg.ipc:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
 import secrets
 from collections.abc import Callable
@@ -53,11 +54,22 @@ from rlengine.protocol import (
     SessionForbidden,
     SessionGone,
     SessionNotFound,
+    ToolCallOut,
     TurnAborted,
     Unsupported,
 )
-from rlengine.render import Boundary, ChatRenderer, assistant_tail, normalize_messages, suffix_text
+from rlengine.render import (
+    Boundary,
+    ChatRenderer,
+    assistant_tail,
+    check_tool_results,
+    message_key,
+    normalize_messages,
+    normalize_tools,
+    suffix_text,
+)
 from rlengine.serve.router import SessionRouter
+from rlengine.tool_parsers import ToolCall, ToolParser
 from rlengine.trace import TraceStore, Trajectory
 from rlengine.types import ModelInput, SampleResponse, SamplingParams
 
@@ -125,14 +137,15 @@ class Session:
         return f"<Session {self.session_id} turns={self.turns}{' retired' if self.retired else ''}>"
 
 
-def _chain(prev: bytes, message: dict[str, str]) -> bytes:
+def _chain(prev: bytes, message: dict[str, Any]) -> bytes:
     """The key of a message prefix: a hash chain, so equal histories get equal keys."""
-    body = _encode_message((message["role"], message["content"], message.get("name")))
-    return hashlib.blake2b(prev + body, digest_size=16).digest()
+    return hashlib.blake2b(prev + _encode_message(message_key(message)), digest_size=16).digest()
 
 
-def _prefix_keys(messages: list[dict[str, str]]) -> list[bytes]:
-    keys = [b""]
+def _prefix_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[bytes]:
+    """The keys of every prefix of ``messages``; the tools are part of every one (they are
+    rendered before the first message)."""
+    keys = [b"" if not tools else hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16).digest()]
     for m in messages:
         keys.append(_chain(keys[-1], m))
     return keys
@@ -141,10 +154,13 @@ def _prefix_keys(messages: list[dict[str, str]]) -> list[bytes]:
 class SessionManager:
     """Sessions over the replicas of ``router``, traced in ``store``. Loop thread only."""
 
-    def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None) -> None:
+    def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None,
+                 tool_parser: ToolParser | None = None) -> None:
         self.router = router
         self.store = store
         self.renderer = renderer
+        self.tool_parser = tool_parser
+        """How the model writes tool calls (None: its template renders none, so tools are refused)."""
         self._live: dict[str, Session] = {}
         self._retired: dict[str, Session] = {}
         self._turns: dict[str, tuple[int, Session | None]] = {}
@@ -228,24 +244,44 @@ class SessionManager:
         return len(self._turns)
 
     def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
-             on_tokens: OnTokens | None = None) -> RequestFuture[TurnResult]:
-        """Sample a chat turn; ``session`` None: a stateless request (nothing traced)."""
+             on_tokens: OnTokens | None = None, tools: Any = None, parse_tool_calls: bool = True,
+             one_tool_call: bool = False) -> RequestFuture[TurnResult]:
+        """Sample a chat turn; ``session`` None: a stateless request (nothing traced).
+
+        ``tools`` (OpenAI function tools) are rendered by the model's chat
+        template; each completion's tool calls are parsed from its text
+        (``parse_tool_calls`` False: not, for ``tool_choice="none"``;
+        ``one_tool_call``: at most the first is returned, for
+        ``parallel_tool_calls=false``, and a completion that made more is
+        not matched back when the conversation continues: it branches)."""
         renderer = self.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template; use token turns (generate)")
         msgs = normalize_messages(messages)
-        full = renderer.render(msgs, True)
+        tools = normalize_tools(tools)
+        check_tool_results(msgs)
+        if tools and self.tool_parser is None:
+            raise InvalidRequest("tools", len(tools), "the model's chat template writes no tool calls rlengine can "
+                                 "read (tool_parser); serve a model whose template renders tools")
+        parser = self.tool_parser if tools and parse_tool_calls else None
+        full = renderer.render(msgs, True, tools)
         if session is None:
             prompt = renderer.encode(full)
-            return self._submit(None, np.asarray(prompt, dtype=np.int32).tobytes(), params, n, on_tokens, None)
-        keys = _prefix_keys(msgs)
-        base, text = self._resume_point(session, renderer, msgs, keys, full)
+
+            def reply(resp: SampleResponse, request_id: str) -> list[Choice]:
+                return [self._choice(seq, *self._reply(seq, params, parser, one_tool_call)[:2])
+                        for seq in resp.sequences]
+
+            return self._submit(None, np.asarray(prompt, dtype=np.int32).tobytes(), params, n, on_tokens, reply)
+        keys = _prefix_keys(msgs, tools)
+        base, text = self._resume_point(session, renderer, msgs, keys, full, tools)
         suffix = np.asarray(renderer.encode(text), dtype=np.int32)
         prefix = self.store.path_tokens(session.session_id, base.handle)
         prompt = prefix.tobytes() + suffix.tobytes()
 
         def record(resp: SampleResponse, request_id: str) -> list[Choice]:
-            return self._record_chat(session, base, suffix, msgs, keys, full, resp, request_id)
+            return self._record_chat(session, base, suffix, msgs, keys, full, tools, parser, one_tool_call, params,
+                                     resp, request_id)
 
         return self._submit(session, prompt, params, n, on_tokens, record)
 
@@ -259,19 +295,20 @@ class SessionManager:
 
         return self._submit(session, prompt, params, n, on_tokens, record)
 
-    def _resume_point(self, session: Session, renderer: ChatRenderer, msgs: list[dict[str, str]],
-                      keys: list[bytes], full: str) -> tuple[Boundary, str]:
+    def _resume_point(self, session: Session, renderer: ChatRenderer, msgs: list[dict[str, Any]],
+                      keys: list[bytes], full: str, tools: list[dict[str, Any]] | None) -> tuple[Boundary, str]:
         """The longest stored position ``msgs`` extends, and the text still to tokenize."""
         boundaries = session.boundaries
-        for count in range(len(msgs), -1, -1):
+        for count in range(len(msgs), 0, -1):
             for generation in (True, False):
                 boundary = boundaries.get((keys[count], generation))
                 if boundary is None:
                     continue
-                text = suffix_text(renderer, msgs, boundary, full)
+                text = suffix_text(renderer, msgs, boundary, full, tools)
                 if text is not None:
                     return boundary, text
-        raise AssertionError("unreachable: the root boundary always matches")
+        # Nothing matches: the whole conversation from the session's root (a branch there).
+        return Boundary(session.root, 0, False, ""), full
 
     def _submit(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int,
                 on_tokens: OnTokens | None,
@@ -301,10 +338,8 @@ class SessionManager:
                 raise SessionGone(f"session_id={session.session_id!r}: retired while turn {request_id} ran")
             if any(seq.stop_reason == "abort" for seq in resp.sequences):
                 raise TurnAborted(f"turn {request_id} was aborted (server shutdown); nothing was recorded")
-            if record is None:
-                choices = [self._choice(seq, self._content(seq.tokens, seq.stop_reason)) for seq in resp.sequences]
-            else:
-                choices = record(resp, request_id)
+            choices = record(resp, request_id) if record is not None else [
+                self._choice(seq, None, None) for seq in resp.sequences]
             return TurnResult(request_id=request_id, replica=replica, prompt_tokens=len(prompt) // 4,
                               choices=choices)
 
@@ -316,20 +351,37 @@ class SessionManager:
         return turn
 
     @staticmethod
-    def _choice(seq: Any, content: str | None) -> Choice:
+    def _choice(seq: Any, content: str | None, calls: list[ToolCall] | None) -> Choice:
         return Choice(stop_reason=seq.stop_reason, tokens_raw=seq.tokens_raw, logprobs_raw=seq.logprobs_raw,
-                      versions_raw=seq.versions_raw, text=content)
+                      versions_raw=seq.versions_raw, text=content,
+                      tool_calls=[ToolCallOut(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+                      if calls else None)
 
-    def _content(self, ids: list[int], stop_reason: str) -> str:
-        """The text a client sees: the sampled tokens without the final stop token."""
+    def _reply(self, seq: Any, params: SamplingParams, parser: ToolParser | None,
+               one_tool_call: bool) -> tuple[str | None, list[ToolCall] | None, bool]:
+        """What a client sees of a completion: its text without the final stop token and without
+        a stop string it ended on (as OpenAI returns it), the tool calls parsed from it, and
+        whether calls were left out (``one_tool_call``)."""
         renderer = self.renderer
         assert renderer is not None
-        if ids and stop_reason == "stop" and ids[-1] in renderer.stop_ids:
+        ids = seq.tokens
+        if ids and seq.stop_reason == "stop" and ids[-1] in renderer.stop_ids:
             ids = ids[:-1]
-        return renderer.decode(ids)
+        text = renderer.decode(ids)
+        if seq.stop_reason == "stop" and params.stop_strings:
+            cut = min((i for i in (text.find(s) for s in params.stop_strings) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        if parser is None:
+            return text, None, False
+        turn = parser.parse(text)
+        calls = turn.tool_calls[:1] if one_tool_call else turn.tool_calls
+        return turn.content, calls or None, len(calls) < len(turn.tool_calls)
 
-    def _record_chat(self, session: Session, base: Boundary, suffix: np.ndarray, msgs: list[dict[str, str]],
-                     keys: list[bytes], full: str, resp: SampleResponse, request_id: str) -> list[Choice]:
+    def _record_chat(self, session: Session, base: Boundary, suffix: np.ndarray, msgs: list[dict[str, Any]],
+                     keys: list[bytes], full: str, tools: list[dict[str, Any]] | None, parser: ToolParser | None,
+                     one_tool_call: bool, params: SamplingParams, resp: SampleResponse,
+                     request_id: str) -> list[Choice]:
         store, renderer, sid = self.store, self.renderer, session.session_id
         assert renderer is not None
         kind = "prompt" if session.turns == 0 else "environment"
@@ -338,14 +390,19 @@ class SessionManager:
         choices = []
         for seq in resp.sequences:
             leaf = self._append_sampled(sid, seq, request_id, prompt_end)
-            ids = seq.tokens
-            content = self._content(ids, seq.stop_reason)
-            tail = assistant_tail(renderer, msgs, content, ids, before=full)
+            content, calls, cut = self._reply(seq, params, parser, one_tool_call)
+            # The assistant message as the client will send it back with its history.
+            reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
+            if calls:
+                reply["tool_calls"] = [{"id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                       for c in calls]
+            tail = None if cut else assistant_tail(renderer, msgs, reply, seq.tokens, before=full, tools=tools,
+                                                   parser=self.tool_parser)
             if tail is not None:
-                key = _chain(keys[-1], {"role": "assistant", "content": content})
-                session.boundaries[(key, False)] = Boundary(leaf, len(msgs) + 1, False, tail)
+                session.boundaries[(_chain(keys[-1], reply), False)] = Boundary(leaf, len(msgs) + 1, False, tail)
             session.leaf = leaf
-            choices.append(self._choice(seq, content))
+            choices.append(self._choice(seq, content, calls))
         session.turns += 1
         return choices
 
@@ -357,7 +414,7 @@ class SessionManager:
         choices = []
         for seq in resp.sequences:
             session.leaf = self._append_sampled(sid, seq, request_id, prompt_end)
-            choices.append(self._choice(seq, None))
+            choices.append(self._choice(seq, None, None))
         session.turns += 1
         return choices
 

@@ -76,6 +76,11 @@ def chat(served, sid, token, messages, **params):
         return c.session(sid, token).chat(messages, **params)
 
 
+def reply(text: str) -> dict:
+    """An assistant message as a client sends it back."""
+    return {"role": "assistant", "content": text}
+
+
 def lcp(a, b) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -89,8 +94,8 @@ def lcp(a, b) -> int:
 def test_assistant_tail_is_the_template_closing_after_the_sampled_tokens(renderer):
     msgs = [{"role": "user", "content": "hi"}]
     im_end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert assistant_tail(renderer, msgs, "hello", renderer.encode("hello") + [im_end]) == "\n"
-    assert assistant_tail(renderer, msgs, "hello", renderer.encode("hello")) == "<|im_end|>\n"  # cut by length
+    assert assistant_tail(renderer, msgs, reply("hello"), renderer.encode("hello") + [im_end]) == "\n"
+    assert assistant_tail(renderer, msgs, reply("hello"), renderer.encode("hello")) == "<|im_end|>\n"  # cut by length
 
 
 def test_suffix_renders_only_the_new_messages(renderer):
@@ -103,7 +108,7 @@ def test_suffix_renders_only_the_new_messages(renderer):
 
 def test_the_byte_renderer_owes_its_closing_tag_after_a_sampled_turn():
     renderer, msgs = ByteRenderer(), [{"role": "user", "content": "hi"}]
-    assert assistant_tail(renderer, msgs, "yo", renderer.encode("yo")) == "\n</assistant>\n"
+    assert assistant_tail(renderer, msgs, reply("yo"), renderer.encode("yo")) == "\n</assistant>\n"
     after_turn = Boundary(handle=0, count=2, generation=False, tail="\n</assistant>\n")
     msgs += [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
     assert suffix_text(renderer, msgs, after_turn) == "\n</assistant>\n<user>\nmore\n</user>\n<assistant>\n"
@@ -111,8 +116,8 @@ def test_the_byte_renderer_owes_its_closing_tag_after_a_sampled_turn():
 
 def test_a_template_that_is_not_prefix_stable_gives_no_suffix():
     class Reordering(ByteRenderer):
-        def render(self, messages, generation):  # renders the last message first
-            return super().render(list(reversed(messages)), generation)
+        def render(self, messages, generation, tools=None):  # renders the last message first
+            return super().render(list(reversed(messages)), generation, tools)
 
     msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert suffix_text(Reordering(), msgs, Boundary(0, 1, False, "")) is None
@@ -131,7 +136,7 @@ def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(captur
     sampled1 = t1.choices[0].tokens
     msgs += [{"role": "assistant", "content": t1.choices[0].text}, {"role": "user", "content": "and then?"}]
     t2 = chat(tiny, sid, token, msgs, max_tokens=6, seed=2)
-    tail = assistant_tail(renderer, msgs[:2], t1.choices[0].text, sampled1)
+    tail = assistant_tail(renderer, msgs[:2], reply(t1.choices[0].text), sampled1)
     suffix = renderer.encode(tail + renderer.render(msgs, True)[len(renderer.render(msgs[:3], False)):])
     expected_prompt2 = prompt1 + sampled1 + suffix
     assert t2.prompt_tokens == len(expected_prompt2)

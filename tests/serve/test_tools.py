@@ -1,0 +1,171 @@
+"""Tool-calling turns over the OpenAI Chat Completions API, with the official ``openai`` client.
+
+The engine runs the scripted backend on the tiny model: completions are
+given as text (a real tool call, say) and tokenized by the model's own
+tokenizer, so the client sees real tool calls and the session layer traces
+real tokens. References: the script's own tokens (what the trace must hold,
+even where the chat template writes the call's JSON differently) and the
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from serving import WAIT, Served
+
+import rlengine as rle
+from rlengine.serve import ServeConfig
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# Compact JSON, unlike the template's rendering of the same call: the trace must keep this.
+CALL = 'Let me check.\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def served(model_cache):
+    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
+                           engine_args={"script": ["ok"]})
+    s = Served([cfg], ServeConfig(ipc=False))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(served):
+    c = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT)
+    yield c
+    c.close()
+
+
+def script(served, *texts: str) -> None:
+    served.engines[0].backend.set_script(list(texts))
+
+
+def tokens(served, text: str) -> list[int]:
+    tok = served.engines[0].tokenizer
+    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+
+def open_session(client) -> tuple[str, dict[str, str]]:
+    opened = client.post("/sessions", body={}, cast_to=object)
+    return opened["session_id"], {"X-Session-ID": opened["session_id"], "X-Session-Token": opened["token"]}
+
+
+def test_a_tool_call_comes_back_as_tool_calls(served, client):
+    script(served, CALL)
+    resp = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+
+
+def test_a_tool_round_trip_in_one_session_is_one_exact_trajectory(served, client):
+    sid, headers = open_session(client)
+    script(served, CALL, "It is sunny in Oslo.")
+    first = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], extra_headers=headers)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*USER, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 12 C"}]
+    second = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], extra_headers=headers)
+    assert second.choices[0].message.content == "It is sunny in Oslo." and second.choices[0].finish_reason == "stop"
+    trace = client.get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": headers})
+    [trajectory] = trace["trajectories"]  # the tool loop stayed one trajectory
+    toks, mask = trajectory["tokens"], trajectory["loss_mask"]
+    sampled_1, sampled_2 = tokens(served, CALL), tokens(served, "It is sunny in Oslo.")
+    prompt_1 = first.usage.prompt_tokens
+    assert toks[prompt_1:prompt_1 + len(sampled_1)] == sampled_1  # what was sampled, not the template's JSON
+    assert toks[-len(sampled_2):] == sampled_2
+    assert mask == [0] * prompt_1 + [1] * len(sampled_1) + [0] * (len(toks) - prompt_1 - len(sampled_1)
+                                                                      - len(sampled_2)) + [1] * len(sampled_2)
+    tok = served.engines[0].tokenizer
+    between = tok.decode(toks[prompt_1 + len(sampled_1):-len(sampled_2)], skip_special_tokens=False)
+    assert between == ("\n<|im_start|>user\n<tool_response>\nsunny, 12 C\n</tool_response><|im_end|>\n"
+                       "<|im_start|>assistant\n")  # only the tool result and the generation prompt are new
+
+
+def test_a_streamed_tool_call_arrives_as_tool_call_deltas(served, client):
+    script(served, CALL)
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = call.id or entry["id"]
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Oslo"})]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_tool_choice_none_returns_the_text_and_no_calls(served, client):
+    script(served, CALL)
+    resp = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="none")
+    assert resp.choices[0].message.content == CALL and not resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_parallel_tool_calls_false_returns_one_call(served, client):
+    two = CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bergen"}}\n</tool_call>'
+    script(served, two)
+    both = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Oslo", "Bergen"]
+    one = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Oslo"]
+
+
+def test_malformed_tool_call_text_is_content_and_counted(served, client):
+    broken = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    script(served, broken)
+    before = served.on_loop(lambda: served.sessions.tool_parser.malformed)
+    resp = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
+    assert resp.choices[0].message.content == broken and not resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "stop"
+    assert served.on_loop(lambda: served.sessions.tool_parser.malformed) == before + 1
+
+
+def test_stop_strings_are_not_part_of_the_reply(served, client):
+    script(served, "one two three four")
+    resp = client.chat.completions.create(model="tiny", messages=USER, stop=["three"])
+    assert resp.choices[0].message.content == "one two " and resp.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=USER, stop=["three"], stream=True))
+    assert streamed == "one two "
+
+
+def test_models_by_id(served, client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_nope", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_input_is_a_typed_400_naming_the_field_and_the_server_keeps_serving(served, client, kwargs, field):
+    script(served, "fine")
+    body = {"model": "tiny", "messages": USER, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**body)
+    assert field in str(info.value)
+    assert client.chat.completions.create(model="tiny", messages=USER).choices[0].message.content == "fine"
