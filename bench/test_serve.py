@@ -17,6 +17,11 @@ bench/RESULTS_serve.md.
   on either side;
 * the same chat turn over IPC (``rlengine.sandbox_client``) and over HTTP
   (``http.client`` keep-alive, and the ``openai`` client): the ratio;
+* a tool-call turn against a plain turn of the same tokens over HTTP (the
+  scripted backend on the tiny model, the tools in both prompts: with
+  ``tool_choice`` auto the completion is parsed into a tool call, with none
+  it is returned as text), alternating: the ratio of adjacent pairs,
+  median <= 1.2;
 * 256 agent sessions from 8 sandbox processes for ``RLENGINE_SOAK_S``
   seconds (30) on the sim backend with a weight install every 2 s: every
   turn a client got is in the trace exactly once, with the version that
@@ -301,6 +306,57 @@ def test_chat_over_ipc_vs_http(record, rlengine_serve):
     served = rlengine_serve(**_sim(step_time_s=0.0))
     r = record(lambda: chat_ipc_vs_http(served))
     assert r["ratio_http_over_ipc"] > 0, r
+
+
+# -- a tool-call turn vs a plain turn over HTTP ------------------------------------------------------
+
+TOOL_CLIENT = """
+import http.client, json, sys, time
+from urllib.parse import urlparse
+http_url, n = sys.argv[1], int(sys.argv[2])
+url = urlparse(http_url)
+conn = http.client.HTTPConnection(url.hostname, url.port)
+tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+base = {"model": "tiny", "messages": messages, "max_tokens": 256, "temperature": 0.0, "tools": tools}
+# The same tokens both ways (the tools are in both prompts): with tool_choice auto the
+# completion is parsed into a tool call, with none it comes back as text.
+bodies = {"tool": json.dumps(base).encode(), "plain": json.dumps({**base, "tool_choice": "none"}).encode()}
+clock = time.perf_counter
+
+def turn(name):
+    conn.request("POST", "/v1/chat/completions", body=bodies[name], headers={"Content-Type": "application/json"})
+    return json.loads(conn.getresponse().read())["choices"][0]
+
+tool, plain = turn("tool"), turn("plain")
+assert tool["finish_reason"] == "tool_calls" and tool["message"]["tool_calls"], tool
+assert plain["finish_reason"] == "stop" and "<tool_call>" in plain["message"]["content"], plain
+out = {"tool": [], "plain": []}
+for _ in range(n):
+    for name in ("tool", "plain"):
+        t0 = clock(); turn(name); out[name].append(clock() - t0)
+print(json.dumps(out))
+"""
+
+TOOL_TARGET_RATIO = 1.2
+"""A tool-call turn's latency over a plain turn of the same tokens, at most."""
+
+
+def tool_vs_plain_turn(served: LocalServer, n: int = 200) -> dict[str, float]:
+    out = json.loads(_sandbox(TOOL_CLIENT, served.http_url, str(n)))
+    res = {f"{name}_p50_us": statistics.median(times) * 1e6 for name, times in out.items()}
+    # Alternating turns saw the same machine: the ratio of each adjacent pair, median.
+    res["ratio_tool_over_plain"] = statistics.median(t / p for t, p in zip(out["tool"], out["plain"]))
+    return res
+
+
+def test_tool_call_turn_vs_plain_turn(record, rlengine_serve):
+    call = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    served = rlengine_serve(backend="scripted", model_name="tiny", serve={"ipc": False},
+                            engine_args={"script": [call]})
+    r = record(lambda: {**tool_vs_plain_turn(served), "target_ratio": TOOL_TARGET_RATIO})
+    assert r["ratio_tool_over_plain"] <= TOOL_TARGET_RATIO, r
 
 
 # -- 256 sessions, 8 sandboxes, installs ---------------------------------------------------------------
