@@ -17,14 +17,17 @@ Endpoints:
   a named function and ``response_format`` json modes are refused (they need
   constrained decoding), never ignored; ``parallel_tool_calls: false`` returns
   at most one call. Stop strings are not part of the returned text;
-* ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional),
+* ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional; the
+  answer holds the id, the token and the session's own ``base_url``,
+  ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
+  chat/completions`` and ``GET models`` there are that session's),
   ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
   (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
   session's token.
 
 It binds 127.0.0.1 unless told otherwise; with ``api_key`` set every request
 must carry ``Authorization: Bearer <api_key>`` (what the ``openai`` client
-sends). Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``)
+sends), but for those on a session's own base URL, which carry its token. Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``)
 with the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a
 retired session is 410 Gone.
 
@@ -209,6 +212,10 @@ class HttpServer:
         self.app.add_routes([
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id}", self.model),
+            # A session's own base URL: its token is the API key (for harnesses that set only those two).
+            web.post("/sessions/{session_id}/v1/chat/completions", self.chat_completions),
+            web.get("/sessions/{session_id}/v1/models", self.models),
+            web.get("/sessions/{session_id}/v1/models/{model_id}", self.model),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/sessions", self.open_session),
             web.delete("/v1/sessions/{session_id}", self.close_session),
@@ -243,7 +250,8 @@ class HttpServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer check, and OpenAI-shaped errors for everything that fails."""
-        if self.api_key is not None:
+        # A session's own base URL is authorized by the session's token, checked by the handler.
+        if self.api_key is not None and "session_id" not in request.match_info:
             auth = request.headers.get("Authorization", "")
             given = auth[7:] if auth.startswith("Bearer ") else ""
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
@@ -269,12 +277,28 @@ class HttpServer:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _session_from(self, request: web.Request, session_id: str | None, token: str | None) -> Session | None:
+    def _session_from(self, request: web.Request, session_id: str | None,
+                      token: str | None) -> tuple[Session | None, str | None]:
+        """The turn's session (traced) or, for a stateless turn, its affinity hint.
+
+        On a session's own base URL (``/sessions/<id>/v1``) the API key is the
+        session's token (``Authorization: Bearer`` or ``x-api-key``). Elsewhere
+        a session id (``X-Session-ID`` or the body's ``session_id``) with its
+        token (``X-Session-Token`` or ``session_token``) is a session turn; an
+        id without a token is only an affinity hint: a stateless turn, kept on
+        one replica, not traced."""
+        path_id = request.match_info.get("session_id")
+        if path_id is not None:
+            auth = request.headers.get("Authorization", "")
+            key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
+            return self.sessions.authorize(path_id, key), None
         session_id = request.headers.get("X-Session-ID") or session_id
-        if session_id is None:
-            return None
         token = request.headers.get("X-Session-Token") or token
-        return self.sessions.authorize(session_id, token)
+        if session_id is None:
+            return None, None
+        if token is None:
+            return None, session_id
+        return self.sessions.authorize(session_id, token), None
 
     def _path_session(self, request: web.Request) -> Session:
         token = request.headers.get("X-Session-Token")
@@ -311,7 +335,9 @@ class HttpServer:
     async def open_session(self, request: web.Request) -> web.Response:
         body = await self._decode(request, self._session_decoder) if request.can_read_body else _SessionBody()
         session = self.sessions.open(body.session_id)
-        return self._json({"session_id": session.session_id, "token": session.token, "model": self.model_name})
+        root = (self.url or "").removesuffix("/v1")
+        return self._json({"session_id": session.session_id, "token": session.token, "model": self.model_name,
+                           "base_url": f"{root}/sessions/{session.session_id}/v1"})
 
     async def close_session(self, request: web.Request) -> web.Response:
         self.sessions.close(self._path_session(request))
@@ -339,14 +365,14 @@ class HttpServer:
         req = await self._decode(request, self._decoder)
         if req.model is not None and req.model != self.model_name:
             raise InvalidRequest("model", req.model, f"this server serves {self.model_name!r} (see /v1/models)")
-        session = self._session_from(request, req.session_id, req.session_token)
+        session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, params = _messages(req), _sampling(req)
         parse = _tool_choice(req)
         _response_format(req)
         if req.stream:
-            return await self._stream(request, req, session, messages, params, parse)
+            return await self._stream(request, req, session, affinity, messages, params, parse)
         fut = self.sessions.chat(session, messages, params, req.n, tools=req.tools, parse_tool_calls=parse,
-                                 one_tool_call=req.parallel_tool_calls is False)
+                                 one_tool_call=req.parallel_tool_calls is False, affinity=affinity)
         try:
             result = await fut
         except asyncio.CancelledError:
@@ -388,7 +414,8 @@ class HttpServer:
         return {"content": content}
 
     async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
-                      messages: list[dict[str, Any]], params: SamplingParams, parse: bool) -> web.StreamResponse:
+                      affinity: str | None, messages: list[dict[str, Any]], params: SamplingParams,
+                      parse: bool) -> web.StreamResponse:
         renderer = self.sessions.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template")
@@ -399,7 +426,8 @@ class HttpServer:
 
         # Validation errors raise here, before any byte of the response is sent.
         fut = self.sessions.chat(session, messages, params, req.n, on_tokens=on_tokens, tools=req.tools,
-                                 parse_tool_calls=parse, one_tool_call=req.parallel_tool_calls is False)
+                                 parse_tool_calls=parse, one_tool_call=req.parallel_tool_calls is False,
+                                 affinity=affinity)
         fut.add_done_callback(lambda _f: queue.put_nowait(None))
         chunk_id, created = f"chatcmpl-{fut.request_id}", int(time.time())
         encode = self._encoder.encode

@@ -23,6 +23,7 @@ backend or a client.
 from __future__ import annotations
 
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -60,6 +61,11 @@ class SessionRouter:
     def least_loaded(self) -> int:
         """The replica a new session (or a sessionless request) should use now."""
         return min(range(len(self.engines)), key=lambda r: (self._in_flight[r], self._sessions[r], r))
+
+    def affine(self, hint: str) -> int:
+        """The replica for a stateless request that names a session it holds no token for (an
+        affinity hint): the same hint, the same replica, and nothing remembered for it."""
+        return zlib.crc32(hint.encode("utf-8", "surrogatepass")) % len(self.engines)
 
     def pin(self, session_id: str) -> int:
         """The replica of ``session_id``, chosen (least loaded) on its first call."""

@@ -245,7 +245,7 @@ class SessionManager:
 
     def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
              on_tokens: OnTokens | None = None, tools: Any = None, parse_tool_calls: bool = True,
-             one_tool_call: bool = False) -> RequestFuture[TurnResult]:
+             one_tool_call: bool = False, affinity: str | None = None) -> RequestFuture[TurnResult]:
         """Sample a chat turn; ``session`` None: a stateless request (nothing traced).
 
         ``tools`` (OpenAI function tools) are rendered by the model's chat
@@ -253,7 +253,9 @@ class SessionManager:
         (``parse_tool_calls`` False: not, for ``tool_choice="none"``;
         ``one_tool_call``: at most the first is returned, for
         ``parallel_tool_calls=false``, and a completion that made more is
-        not matched back when the conversation continues: it branches)."""
+        not matched back when the conversation continues: it branches).
+        ``affinity`` (a stateless request only) keeps requests that name the
+        same key on one replica."""
         renderer = self.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template; use token turns (generate)")
@@ -272,7 +274,8 @@ class SessionManager:
                 return [self._choice(seq, *self._reply(seq, params, parser, one_tool_call)[:2])
                         for seq in resp.sequences]
 
-            return self._submit(None, np.asarray(prompt, dtype=np.int32).tobytes(), params, n, on_tokens, reply)
+            return self._submit(None, np.asarray(prompt, dtype=np.int32).tobytes(), params, n, on_tokens, reply,
+                                affinity)
         keys = _prefix_keys(msgs, tools)
         base, text = self._resume_point(session, renderer, msgs, keys, full, tools)
         suffix = np.asarray(renderer.encode(text), dtype=np.int32)
@@ -311,12 +314,15 @@ class SessionManager:
         return Boundary(session.root, 0, False, ""), full
 
     def _submit(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int,
-                on_tokens: OnTokens | None,
-                record: Callable[[SampleResponse, str], list[Choice]] | None) -> RequestFuture[TurnResult]:
+                on_tokens: OnTokens | None, record: Callable[[SampleResponse, str], list[Choice]] | None,
+                affinity: str | None = None) -> RequestFuture[TurnResult]:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_SAMPLES}]")
         router = self.router
-        replica = router.pin(session.session_id) if session is not None else router.least_loaded()
+        if session is not None:
+            replica = router.pin(session.session_id)
+        else:
+            replica = router.least_loaded() if affinity is None else router.affine(affinity)
         engine = router.engines[replica]
         spec = engine.validate_sample(ModelInput(tokens_raw=prompt), n, params)
         sample = engine.submit_sample(spec, session_id=None if session is None else session.session_id,

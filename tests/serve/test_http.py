@@ -147,7 +147,6 @@ def test_streaming_over_a_real_tokenizer(engine_config):
 @pytest.mark.parametrize("make_error, status, error_type", [
     (lambda c, sid, tok: c.with_options(default_headers=sid_headers("nobody", tok)), 404, openai.NotFoundError),
     (lambda c, sid, tok: c.with_options(default_headers=sid_headers(sid, "wrong")), 403, openai.PermissionDeniedError),
-    (lambda c, sid, tok: c.with_options(default_headers={"X-Session-ID": sid}), 403, openai.PermissionDeniedError),
 ])
 def test_session_errors_have_their_status(served, make_error, status, error_type):
     sid, token = open_session(served)
@@ -156,6 +155,44 @@ def test_session_errors_have_their_status(served, make_error, status, error_type
     with pytest.raises(error_type) as info:
         client.chat.completions.create(model="sim", messages=USER, max_tokens=2)
     assert info.value.status_code == status
+
+
+def test_a_sessions_own_base_url_takes_its_token_as_the_api_key(served):
+    """A harness that can only set base_url and api_key is traced: both come from POST /v1/sessions."""
+    status, opened = raw_request(served, "POST", "/v1/sessions", None)
+    assert status == 200 and opened["base_url"] == f"{served.http_url.removesuffix('/v1')}/sessions/" \
+        f"{opened['session_id']}/v1"
+    client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["token"], max_retries=0, timeout=WAIT)
+    _clients.append(client)
+    assert client.models.list().data[0].id == "sim"
+    reply = client.chat.completions.create(model="sim", messages=USER, max_tokens=3)
+    assert reply.session_id == opened["session_id"]
+    trace = served.on_loop(lambda: served.sessions.trace(served.sessions.authorize(opened["session_id"],
+                                                                                     opened["token"])))
+    assert trace.turns == 1 and len(trace.trajectories) == 1
+    status, _ = raw_request(served, "POST", f"/sessions/{opened['session_id']}/v1/chat/completions",
+                            {"messages": USER, "max_tokens": 2}, headers={"x-api-key": opened["token"]})
+    assert status == 200  # Anthropic-style key header too
+    wrong = openai.OpenAI(base_url=opened["base_url"], api_key="not-the-token", max_retries=0, timeout=WAIT)
+    _clients.append(wrong)
+    with pytest.raises(openai.PermissionDeniedError):
+        wrong.chat.completions.create(model="sim", messages=USER, max_tokens=2)
+
+
+def test_with_a_server_key_a_sessions_base_url_still_takes_the_session_token():
+    s = Served([sim_config()], ServeConfig(ipc=False, api_key="server-secret"))
+    try:
+        admin = openai.OpenAI(base_url=s.http_url, api_key="server-secret", max_retries=0, timeout=WAIT)
+        opened = admin.post("/sessions", body={}, cast_to=object)
+        agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["token"], max_retries=0, timeout=WAIT)
+        assert agent.chat.completions.create(model="sim", messages=USER, max_tokens=2).choices[0].message.content
+        stranger = openai.OpenAI(base_url=s.http_url, api_key=opened["token"], max_retries=0, timeout=WAIT)
+        with pytest.raises(openai.AuthenticationError):  # the session token opens no other door
+            stranger.chat.completions.create(model="sim", messages=USER, max_tokens=2)
+        for c in (admin, agent, stranger):
+            c.close()
+    finally:
+        s.close()
 
 
 def test_a_retired_session_is_410_gone(served):

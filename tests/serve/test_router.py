@@ -175,3 +175,28 @@ def test_router_settings_are_checked(kwargs):
         SessionRouter([object()], **kwargs)  # type: ignore[list-item]
     with pytest.raises(ConfigurationError):
         SessionRouter([])
+
+
+def test_a_session_id_without_its_token_is_an_affinity_hint():
+    """A harness that names its own session id (verifiers does) but holds no rlengine token is
+    served statelessly, every request of one id on one replica, and nothing is traced."""
+    import openai
+
+    s = Served([sim_config(seed=i) for i in range(3)], ServeConfig(ipc=False))
+    try:
+        client = openai.OpenAI(base_url=s.http_url, api_key="x", max_retries=0, timeout=WAIT)
+        before = [e.stats()["admitted"] for e in s.engines]
+        for hint, turns in (("rollout-17", 4), ("rollout-18", 4)):
+            for _ in range(turns):
+                resp = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2, extra_headers={"X-Session-ID": hint})
+                assert resp.choices[0].message.content is not None
+            after = [e.stats()["admitted"] for e in s.engines]
+            grew = [a - b for a, b in zip(after, before)]
+            assert sorted(grew) == [0, 0, turns], grew  # one replica took all of them
+            assert grew.index(turns) == s.on_loop(lambda h=hint: s.sessions.router.affine(h))
+            before = after
+        assert s.on_loop(s.sessions.live) == [] and s.on_loop(lambda: list(s.sessions.store.sessions())) == []
+        client.close()
+    finally:
+        s.close()
