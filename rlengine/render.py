@@ -2,7 +2,10 @@
 
 Everything that turns chat messages into tokens goes through this module:
 the session layer (exact traces, below), the HTTP endpoints, and the
-in-process ``SamplingClient.render_chat_completion`` (``render_chat``).
+in-process ``SamplingClient.render_chat_completion`` (``render_chat``). It
+also checks what a request brings for the template: messages, with tool
+calls and tool results (``normalize_messages``, ``check_tool_results``), and
+OpenAI function tools (``normalize_tools``).
 
 For exact traces only the new suffix of a conversation is tokenized.
 
@@ -25,6 +28,14 @@ which needs the template to be *prefix-stable* (rendering more messages
 only appends text). Where it is not, ``suffix_text`` returns None and the
 caller falls back to an earlier boundary (ultimately the root): a branch,
 never a silent re-tokenization of sampled text.
+
+Tools are rendered before the first message, so they are part of every
+position's identity. A sampled turn that made tool calls stands for the
+message the client sends back (its text and calls): the template may write
+the calls' JSON otherwise than the model did, and the stored tokens are the
+sampled ones; ``assistant_tail`` accepts the turn when the template's
+rendering of it reads back (through the model's tool parser) as the same
+calls, and owes only the template's closing after them.
 
 Two renderers: ``TemplateRenderer`` over a Hugging Face tokenizer and its
 chat template, and ``ByteRenderer`` for tokenizer-less backends (the sim):
