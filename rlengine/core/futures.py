@@ -20,14 +20,15 @@ with a request's size. It may store or relay the outcome (settle another
 future, ``then``), count, wake or schedule work (``loop.call_soon``,
 ``then(fn, defer=True)``), or hand bytes already made to a transport. It
 must not render templates, tokenize, insert into the trace store or block
-(one that raises is logged and skipped). Work of that kind goes in a deferred continuation
-(``then(fn, defer=True)``: a scheduled callback on the loop) or in the
-coroutine that awaits the future.
+(one that raises is logged and skipped). Work of that kind goes in a
+deferred continuation (``then(fn, defer=True)``: a scheduled callback on the
+loop) or in the coroutine that awaits the future.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable, Generator
@@ -230,10 +231,7 @@ class RequestFuture(Generic[T]):
             with _lock:
                 pending = self._state == _PENDING
                 if pending:
-                    if self._wakers is None:
-                        self._wakers = [lambda: _wake(loop, fut)]
-                    else:
-                        self._wakers.append(lambda: _wake(loop, fut))
+                    self._wakers = [*(self._wakers or ()), functools.partial(_wake, loop, fut)]
             if pending:
                 yield from fut.__await__()
         return self.result(0)

@@ -348,7 +348,7 @@ class SamplerLoop:
         elif settled is not None:
             settled.append(outcome)
         else:
-            settle_all([outcome])
+            request.future.set_result(response)
 
     def _fail_sample(self, request: SampleRequest, exc: BaseException, unknown: bool,
                      settled: list[Outcome] | None = None) -> None:
@@ -493,9 +493,6 @@ class SamplerLoop:
             log.exception("rlengine sampler loop crashed")
             self.die(EngineDeadError(f"engine died: {exc!r}"), cause=exc)
 
-    def kick(self) -> None:
-        self._signal()
-
     def stop(self) -> None:
         """Begin shutdown: refuse new work, abort queued and in-flight requests."""
         if self._stopping:
@@ -534,10 +531,6 @@ class SamplerLoop:
             failed.append((self._running_blocking.future, False, error))
         settle_all(failed)
         self._signal()
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._seqs or self._running_blocking or len(self.gate))
 
     def describe(self) -> dict[str, Any]:
         return {"in_flight_sequences": len(self._seqs), "queued": len(self.gate),

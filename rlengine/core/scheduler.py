@@ -33,7 +33,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
 import msgspec
@@ -113,12 +113,12 @@ class Admission(NamedTuple):
     """What one ``admit`` let through: ``admitted[i]`` holds ``leases[i]``; ``stale``
     entries address a version that is not loaded (fail them with ``stale_error``)."""
 
-    admitted: list[Queued]
-    leases: list[Lease]
-    stale: list[Queued]
+    admitted: Sequence[Queued]
+    leases: Sequence[Lease]
+    stale: Sequence[Queued]
 
 
-_NOTHING = Admission([], [], [])
+_NOTHING = Admission((), (), ())
 
 
 class Scheduler:
@@ -180,20 +180,22 @@ class Scheduler:
             return _NOTHING
         if not self.continuous and (self._active or self._paused):
             return _NOTHING
-        admission = Admission([], [], [])
+        admitted: list[Queued] = []
+        leases: list[Lease] = []
+        stale: list[Queued] = []
         while pending and not pending[0].blocking:
             entry = pending.popleft()
             if self.is_stale(entry.version):
-                admission.stale.append(entry)
+                stale.append(entry)
             else:
-                admission.admitted.append(entry)
-                admission.leases.append(self._lease(entry))
-        return admission
+                admitted.append(entry)
+                leases.append(self._lease(entry))
+        return Admission(admitted, leases, stale)
 
     def _lease(self, entry: Queued) -> Lease:
         lease_id = next(self._ids)
         versions = None if self.version is None else {self.version}
-        lease = self._active[lease_id] = Lease(self, lease_id, entry.session_id, entry.request_id, versions)
+        self._active[lease_id] = lease = Lease(self, lease_id, entry.session_id, entry.request_id, versions)
         return lease
 
     def stale_error(self, entry: Queued) -> ModelNotLoaded:

@@ -99,14 +99,20 @@ class Registry:
         session = self.sessions[session_id] = Session(session_id, owner)
         return session
 
+    def _owned(self, table: dict[str, Any], field: str, resource_id: str, owner: str, kind: str,
+               others: str) -> Any:
+        """``table[resource_id]`` if it belongs to ``owner``; Gone, UnknownResource or Forbidden otherwise."""
+        found = table.get(resource_id)
+        if found is None:
+            if resource_id in self._gone:
+                raise Gone(field, resource_id, self._gone[resource_id])
+            raise UnknownResource(field, resource_id, f"no such {kind}")
+        if found.owner != owner:
+            raise Forbidden(field, resource_id, f"belongs to {others}")
+        return found
+
     def session(self, owner: str, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            if session_id in self._gone:
-                raise Gone("session_id", session_id, self._gone[session_id])
-            raise UnknownResource("session_id", session_id, "no such session")
-        if session.owner != owner:
-            raise Forbidden("session_id", session_id, "belongs to another API key")
+        session = self._owned(self.sessions, "session_id", session_id, owner, "session", "another API key")
         session.last_seen = time.monotonic()
         return session
 
@@ -128,13 +134,7 @@ class Registry:
     # -- models --------------------------------------------------------------------------
 
     def model(self, owner: str, model_id: str) -> TrainingModel:
-        model = self.models.get(model_id)
-        if model is None:
-            if model_id in self._gone:
-                raise Gone("model_id", model_id, self._gone[model_id])
-            raise UnknownResource("model_id", model_id, "no such model")
-        if model.owner != owner:
-            raise Forbidden("model_id", model_id, "belongs to a session of another API key")
+        model = self._owned(self.models, "model_id", model_id, owner, "model", "a session of another API key")
         session = self.sessions.get(model.session_id)
         if session is not None:
             session.last_seen = time.monotonic()
@@ -166,14 +166,8 @@ class Registry:
     # -- sampling sessions ----------------------------------------------------------------
 
     def sampler(self, owner: str, sampling_session_id: str) -> SamplingSession:
-        ss = self.samplers.get(sampling_session_id)
-        if ss is None:
-            if sampling_session_id in self._gone:
-                raise Gone("sampling_session_id", sampling_session_id, self._gone[sampling_session_id])
-            raise UnknownResource("sampling_session_id", sampling_session_id, "no such sampling session")
-        if ss.owner != owner:
-            raise Forbidden("sampling_session_id", sampling_session_id, "belongs to a session of another API key")
-        return ss
+        return self._owned(self.samplers, "sampling_session_id", sampling_session_id, owner, "sampling session",
+                           "a session of another API key")
 
     def new_sampler(self, session: Session, seq: int, base_model: str, **kwargs: Any) -> SamplingSession:
         sid = f"{session.session_id}:sample:{seq}"

@@ -44,7 +44,7 @@ def admit(s: Scheduler) -> tuple[list[Ticket], list[Ticket]]:
     for ticket, lease in zip(admission.admitted, admission.leases):
         assert lease.request_id == ticket.request_id and lease.session_id == ticket.session_id
         ticket.lease = lease
-    return admission.admitted, admission.stale
+    return list(admission.admitted), list(admission.stale)
 
 
 def test_samples_before_blocking_admitted_after_wait():
