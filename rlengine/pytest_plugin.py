@@ -31,7 +31,7 @@ the servers, or leave a thread, socket or engine running after a test.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -80,29 +80,40 @@ class LocalServer:
     loop thread, each bounded.
     """
 
-    def __init__(self, config: EngineConfig, serve_config: ServeConfig | None = None, *,
+    def __init__(self, config: EngineConfig | Sequence[EngineConfig], serve_config: ServeConfig | None = None, *,
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         from rlengine.core.engine import new_event_loop
 
         self.loop: asyncio.AbstractEventLoop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rlengine-serve-fixture", daemon=True)
         self._thread.start()
-        self.engine: Engine | None = None
+        self.engines: list[Engine] = []
+        """The replicas (one per config given), all on this server's loop."""
         self.server: Server | None = None
         self._clients: list[Client] = []
         try:
-            self._run(self._start(config, serve_config), start_timeout_s)
+            self._run(self._start([config] if not isinstance(config, Sequence) else list(config), serve_config),
+                      start_timeout_s)
         except BaseException:
             self.close()
             raise
 
-    async def _start(self, config: EngineConfig, serve_config: ServeConfig | None) -> None:
+    async def _start(self, configs: list[EngineConfig], serve_config: ServeConfig | None) -> None:
         from rlengine.core.engine import Engine
         from rlengine.serve import Server
 
-        self.engine = Engine(config)
-        await self.engine.start_async()
-        self.server = await Server(self.engine, serve_config).start_async()
+        for config in configs:
+            engine = Engine(config)
+            self.engines.append(engine)
+            await engine.start_async()
+        self.server = await Server(self.engines, serve_config).start_async()
+
+    @property
+    def engine(self) -> Engine:
+        """The (first) replica."""
+        if not self.engines:
+            raise RuntimeError("the engine is not started")
+        return self.engines[0]
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         import asyncio
@@ -166,25 +177,27 @@ class LocalServer:
         session_id, token = self.open_session(session_id)
         return (client or self.connect()).session(session_id, token)
 
-    def close(self) -> None:
-        """Close the clients, then the server (turns in flight get ``grace_s``), then the engine."""
+    def close(self, grace_s: float | None = None) -> None:
+        """Close the clients, then the server (turns in flight get ``grace_s``, None: the
+        server's own), then the engines."""
         for client in self._clients:
             client.close()
         if self.loop.is_running():
-            grace_s = self.server.config.grace_s if self.server is not None else 0.0
+            if grace_s is None:
+                grace_s = self.server.config.grace_s if self.server is not None else 0.0
             try:
-                self._run(self._stop(), grace_s + 2 * CLOSE_TIMEOUT_S)
+                self._run(self._stop(grace_s), grace_s + (1 + len(self.engines)) * CLOSE_TIMEOUT_S)
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(CLOSE_TIMEOUT_S)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
 
-    async def _stop(self) -> None:
+    async def _stop(self, grace_s: float) -> None:
         if self.server is not None:
-            await self.server.aclose()
-        if self.engine is not None:
-            await self.engine.aclose(CLOSE_TIMEOUT_S)
+            await self.server.aclose(grace_s=grace_s)
+        for engine in self.engines:
+            await engine.aclose(CLOSE_TIMEOUT_S)
 
 
 # -- fixtures ---------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A private rlengine cache directory for this test session (``EngineConfig.cache_dir``)."""
-    return str(tmp_path_factory.mktemp("rlengine-cache"))
+def model_cache(rlengine_model_cache: str) -> str:
+    """A private rlengine cache directory for this test session (``EngineConfig.cache_dir``): the
+    one the package's pytest plugin builds models into, so the tiny model is built once."""
+    return rlengine_model_cache
 
 
 @pytest.fixture(scope="session")

@@ -10,20 +10,18 @@ What it must not do: fake any part of the server.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 import rlengine as rle
-from rlengine.core.engine import new_event_loop
-from rlengine.serve import ServeConfig, Server
+from rlengine.pytest_plugin import LocalServer
+from rlengine.serve import ServeConfig
 
 WAIT = 60.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,52 +33,16 @@ def sim_config(**sim: Any) -> rle.EngineConfig:
                             sim=rle.SimConfig(**{"gen_len": 10_000, "step_time_s": 0.001, **sim}))
 
 
-class Served:
-    """Engines + server on a private loop thread; ``close`` stops everything (bounded)."""
+class Served(LocalServer):
+    """Engines + server on a private loop thread (the plugin's ``LocalServer``, which users'
+    suites get too); ``close`` stops everything, bounded, giving turns in flight 0.5 s."""
 
     def __init__(self, configs: list[rle.EngineConfig], serve_config: ServeConfig | None = None) -> None:
-        self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="serve-test-loop", daemon=True)
-        self.thread.start()
-        self.engines: list[rle.Engine] = []
-        self.server: Server | None = None
-        try:
-            self.run(self._start(configs, serve_config or ServeConfig()), 600)
-        except BaseException:
-            self.close()
-            raise
-
-    async def _start(self, configs: list[rle.EngineConfig], serve_config: ServeConfig) -> None:
-        for cfg in configs:
-            engine = rle.Engine(cfg)
-            self.engines.append(engine)
-            await engine.start_async()
-        self.server = await Server(self.engines, serve_config).start_async()
-
-    def run(self, coro: Any, timeout: float = WAIT) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        super().__init__(configs, serve_config or ServeConfig(), start_timeout_s=600)
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the loop thread; its result (or exception) here."""
-        async def call() -> Any:
-            return fn(*args)
-
-        return self.run(call())
-
-    @property
-    def sessions(self) -> Any:
-        assert self.server is not None and self.server.sessions is not None
-        return self.server.sessions
-
-    @property
-    def ipc_path(self) -> str:
-        assert self.server is not None and self.server.ipc_path is not None
-        return self.server.ipc_path
-
-    @property
-    def http_url(self) -> str:
-        assert self.server is not None and self.server.http_url is not None
-        return self.server.http_url
+        return self.call(fn, *args, timeout=WAIT)
 
     def install(self, replica: int = 0, seed: int = 1) -> int:
         """Install new sim weights (a fresh theta) through the gate; returns the version."""
@@ -88,21 +50,8 @@ class Served:
         theta = np.random.default_rng(seed).normal(0.0, 1.0, engine.backend.vocab_size).astype(np.float32)
         return engine.install_weights(lambda: [("theta", theta)]).result(WAIT)
 
-    def close(self) -> None:
-        async def stop() -> None:
-            if self.server is not None:
-                await self.server.aclose(grace_s=0.5)
-            for engine in self.engines:
-                await engine.aclose(10.0)
-
-        if self.loop.is_running():
-            try:
-                self.run(stop(), 60)
-            finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self.thread.join(10)
-        if not self.loop.is_running() and not self.loop.is_closed():
-            self.loop.close()
+    def close(self, grace_s: float | None = 0.5) -> None:
+        super().close(grace_s)
 
 
 def run_sandbox(code: str, *args: str, timeout: float = WAIT) -> subprocess.CompletedProcess[str]:

@@ -27,9 +27,10 @@ Endpoints:
 
 It binds 127.0.0.1 unless told otherwise; with ``api_key`` set every request
 must carry ``Authorization: Bearer <api_key>`` (what the ``openai`` client
-sends), but for those on a session's own base URL, which carry its token. Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``)
-with the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a
-retired session is 410 Gone.
+sends), but for those on a session's own base URL, which carry its token.
+Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``) with
+the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a retired
+session is 410 Gone.
 
 Handler cancellation is on: a client that disconnects mid-generation
 cancels its handler, which abandons the turn (its lease stays unknown,
@@ -53,7 +54,7 @@ import msgspec
 from aiohttp import web
 
 from rlengine.errors import InvalidRequest
-from rlengine.protocol import BadMessage, Choice, InvalidValue, SessionForbidden, Unsupported
+from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
 from rlengine.render import TextStream
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
 from rlengine.serve.sessions import Session, SessionManager, TurnResult
@@ -137,8 +138,6 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if any(p.type != "text" or p.text is None for p in content):
                 raise Unsupported(f"messages[{i}].content: only text parts are supported")
             content = "".join(p.text or "" for p in content)
-        if content is None and not m.tool_calls:
-            raise InvalidValue(f"messages[{i}].content=None: must be text (or the message must make tool calls)")
         message: dict[str, Any] = {"role": m.role, "content": content}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:

@@ -314,7 +314,7 @@ class SessionManager:
         return Boundary(session.root, 0, False, ""), full
 
     def _submit(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int,
-                on_tokens: OnTokens | None, record: Callable[[SampleResponse, str], list[Choice]] | None,
+                on_tokens: OnTokens | None, record: Callable[[SampleResponse, str], list[Choice]],
                 affinity: str | None = None) -> RequestFuture[TurnResult]:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_SAMPLES}]")
@@ -344,10 +344,8 @@ class SessionManager:
                 raise SessionGone(f"session_id={session.session_id!r}: retired while turn {request_id} ran")
             if any(seq.stop_reason == "abort" for seq in resp.sequences):
                 raise TurnAborted(f"turn {request_id} was aborted (server shutdown); nothing was recorded")
-            choices = record(resp, request_id) if record is not None else [
-                self._choice(seq, None, None) for seq in resp.sequences]
             return TurnResult(request_id=request_id, replica=replica, prompt_tokens=len(prompt) // 4,
-                              choices=choices)
+                              choices=record(resp, request_id))
 
         # Recording renders, tokenizes and stores in the trie: out of the
         # sampler's settlement chain, in a callback of its own (see core.futures).
