@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from rlengine.rl.errors import CheckpointError
+from rlengine.rl.metrics import replace_file
 
 __all__ = ["Checkpointer", "LoopState", "PendingGroup", "capture_rng", "restore_rng", "rewind_jsonl"]
 
@@ -87,15 +88,6 @@ def restore_rng(states: dict[str, str]) -> None:
             torch.set_rng_state(value)
 
 
-def _fsync_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Checkpointer:
     """Writes and finds checkpoints under ``run_dir/checkpoints``."""
 
@@ -113,7 +105,7 @@ class Checkpointer:
 
     def commit(self, staging: str, state: LoopState) -> str:
         """Finish a staged checkpoint: loop state, rename into place, point ``latest`` at it, prune."""
-        _fsync_write(os.path.join(staging, "loop.json"), msgspec.json.encode(state))
+        replace_file(os.path.join(staging, "loop.json"), msgspec.json.encode(state))
         name = f"step-{state.step:06d}"
         final = os.path.join(self.root, name)
         if os.path.exists(final):
@@ -121,7 +113,7 @@ class Checkpointer:
             # equal content by construction, replace it.
             shutil.rmtree(final)
         os.rename(staging, final)
-        _fsync_write(os.path.join(self.root, _LATEST), name.encode())
+        replace_file(os.path.join(self.root, _LATEST), name.encode())
         self._prune(name)
         return final
 
@@ -166,5 +158,5 @@ def rewind_jsonl(path: str, last_step: int) -> int:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
                 kept.append(line if line.endswith(b"\n") else line + b"\n")
-    _fsync_write(path, b"".join(kept))
+    replace_file(path, b"".join(kept))
     return len(kept)

@@ -24,6 +24,7 @@ This module must not compute training quantities; it records them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from typing import IO, Any
@@ -31,7 +32,7 @@ from typing import IO, Any
 import msgspec
 import numpy as np
 
-__all__ = ["RunLog", "reward_stats", "summarize"]
+__all__ = ["RunLog", "replace_file", "reward_stats", "summarize"]
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -39,6 +40,27 @@ GROUPS_FILE = "groups.jsonl"
 CONFIG_FILE = "config.json"
 
 _encoder = msgspec.json.Encoder()
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``data`` as ``path``, atomically: a reader (or a resumed run) sees the old file or the new one.
+
+    It goes into a hidden temporary file beside ``path`` (same directory, so the
+    rename stays on one filesystem; ``open`` keeps the umask's permissions), is
+    synced, and is renamed over ``path``; on any failure the temporary file is removed.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def reward_stats(rewards: list[float], prefix: str = "reward") -> dict[str, float]:

@@ -23,11 +23,12 @@ its last reference).
 
 from __future__ import annotations
 
-import contextlib
+import io
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from rlengine.rl.metrics import replace_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -83,15 +84,6 @@ def reward_figure(steps: Records, evals: Records, *, title: str | None = None) -
 
 def write_reward_png(path: str, steps: Records, evals: Records, *, title: str | None = None) -> None:
     """Draw the reward curves into ``path`` (PNG), replacing it atomically."""
-    fig = reward_figure(steps, evals, title=title)
-    directory, name = os.path.split(os.path.abspath(path))
-    # Same directory, so os.replace is a rename on one filesystem; open() keeps the umask's permissions.
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            fig.savefig(f, format="png", dpi=DPI)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    png = io.BytesIO()
+    reward_figure(steps, evals, title=title).savefig(png, format="png", dpi=DPI)
+    replace_file(path, png.getvalue())

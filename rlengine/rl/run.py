@@ -39,7 +39,16 @@ from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
 from rlengine.rl.config import RESUME_MUTABLE, TrainConfig, convert
 from rlengine.rl.errors import CheckpointError
 from rlengine.rl.loop import TrainingRun
-from rlengine.rl.metrics import CONFIG_FILE, EVAL_FILE, GROUPS_FILE, METRICS_FILE, RunLog, read_jsonl, summarize
+from rlengine.rl.metrics import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    GROUPS_FILE,
+    METRICS_FILE,
+    RunLog,
+    read_jsonl,
+    replace_file,
+    summarize,
+)
 from rlengine.rl.plot import write_reward_png
 from rlengine.rl.recipes import Recipe, load_recipe
 
@@ -105,10 +114,7 @@ def _resume_config(run_dir: str, recipe_name: str | None,
 
 def _store_config(run_dir: str, recipe: str, config: TrainConfig, options: Any) -> None:
     stored = {"recipe": recipe, "train": msgspec.to_builtins(config), "options": msgspec.to_builtins(options)}
-    tmp = os.path.join(run_dir, f".{CONFIG_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(stored)))
-    os.replace(tmp, os.path.join(run_dir, CONFIG_FILE))
+    replace_file(os.path.join(run_dir, CONFIG_FILE), msgspec.json.format(msgspec.json.encode(stored)))
 
 
 def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
