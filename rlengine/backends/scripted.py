@@ -5,10 +5,11 @@ tiny model never will. This backend generates what it is told to: each new
 sequence takes the next text of its script (in order, cycling), encoded by
 the model directory's tokenizer and followed by the end-of-turn token, one
 token per step. Everything around it is real: the model directory, chat
-template and tokenizer (the tiny model's by default), stop token ids and
-stop strings, ``max_tokens``, streaming, aborts, weight installs (each a new
-policy version; the script does not depend on the weights) and so the
-engine's per-token versions and the session layer's exact traces.
+template and tokenizer (the tiny model's by default), stop token ids, stop
+strings (found as the torch backend finds them, with its ``StopText``),
+``max_tokens``, streaming, aborts, weight installs (each a new policy
+version; the script does not depend on the weights) and so the engine's
+per-token versions and the session layer's exact traces.
 
 The logprob of every scripted token is 0.0: the script is certain (the
 probability the sampler used is 1), and that is what the trace records.
@@ -18,7 +19,7 @@ Set the script with ``engine_args={"script": [...]}`` (and ``rlengine serve
 engine_args.script='[...]'``), or replace it while the engine runs with
 ``ScriptedBackend.set_script``. This module runs on the compute thread and
 must not touch engine state; it imports transformers only to load the
-tokenizer.
+tokenizer (and torch with the torch backend's stop-string detection).
 """
 
 from __future__ import annotations
@@ -30,20 +31,22 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.backends.torch.sampling import StopText
 from rlengine.errors import ConfigurationError
 
 __all__ = ["ScriptedBackend", "build"]
 
 
 class _Seq:
-    __slots__ = ("pos", "request", "stream", "text", "tokens")
+    __slots__ = ("pos", "request", "stop_text", "stream", "tokens")
 
-    def __init__(self, request: BackendRequest, tokens: list[int]) -> None:
+    def __init__(self, request: BackendRequest, tokens: list[int], tokenizer: Any) -> None:
         self.request = request
         self.tokens = tokens
         self.pos = 0
         self.stream = request.stream
-        self.text = ""
+        stops = request.params.stop_strings
+        self.stop_text = StopText(tokenizer, stops) if stops else None
 
 
 class ScriptedBackend:
@@ -87,7 +90,7 @@ class ScriptedBackend:
             raise ValueError(f"request_id={request.request_id!r}: already in the scripted backend")
         if request.prompt_logprobs:
             raise ValueError("the scripted backend computes no prompt logprobs")
-        self._running[request.request_id] = _Seq(request, self._next_tokens())
+        self._running[request.request_id] = _Seq(request, self._next_tokens(), self.tokenizer)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -103,9 +106,8 @@ class ScriptedBackend:
             token = seq.tokens[seq.pos]
             seq.pos += 1
             stop = token in p.stop_token_ids or (token == self.end_token and not p.ignore_eos)
-            if not stop and p.stop_strings:
-                seq.text += self.tokenizer.decode([token], skip_special_tokens=False)
-                stop = any(s in seq.text for s in p.stop_strings)
+            if not stop and seq.stop_text is not None:
+                stop = seq.stop_text.feed(seq.tokens[:seq.pos])
             length = seq.pos >= seq.request.max_tokens or (seq.pos >= len(seq.tokens) and not stop)
             finished = stop or length
             if seq.stream or finished:
