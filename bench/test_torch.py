@@ -201,3 +201,62 @@ def test_weight_install_per_mb_vs_plain_copy(benchmark, engine, cache, tmp_path)
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     _record(benchmark, {f"{size}_{k}": v for size, fig in figures.items() for k, v in fig.items()})
+
+
+# -- constrained vs free decoding ---------------------------------------------------------------
+
+CONSTRAINED_TARGET_RATIO = 1.3
+# The call cannot close within the benchmark's tokens (its first argument is at
+# least 300 characters), so constrained and free runs decode the same number of
+# tokens in the same batch shapes: the ratio is the mask's cost alone.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 300}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}
+
+
+def _per_token_s(backend: TorchBackend, constraint: str | None, seed: int, batch: int = 8,
+                 max_tokens: int = 48) -> float:
+    """Seconds per generated token of ``batch`` sequences decoded together, ``max_tokens`` each."""
+    from rlengine.backends.base import BackendRequest
+
+    prompt = np.arange(3, 3 + PROMPT_LEN, dtype=np.int32).tobytes()
+    for i in range(batch):
+        params = rle.SamplingParams(max_tokens=max_tokens, temperature=1.0, constraint=constraint,
+                                    ignore_eos=constraint is None)
+        backend.add_request(BackendRequest(f"r{i}", prompt, params, seed * 100 + i, max_tokens))
+    tokens = 0
+    t0 = time.perf_counter()
+    while backend.has_unfinished_requests():
+        tokens += sum(len(o.token_ids) for o in backend.step())
+    wall = time.perf_counter() - t0
+    assert tokens == batch * max_tokens, tokens
+    return wall / tokens
+
+
+def test_constrained_vs_free_decoding_per_token(benchmark, engine):
+    """A forced tool call (``tool_choice="required"``: xgrammar's mask on every row, every step)
+    against free sampling of the same batch, per generated token; 12 alternating pairs,
+    the median of the pairs' ratios."""
+    from rlengine.constraints import output_constraint
+    from rlengine.tool_parsers import HermesParser
+
+    backend = TorchBackend(engine.model_path)
+    constraint = output_constraint(HermesParser(), [WEATHER], "required")
+    _per_token_s(backend, constraint, 0)  # compiles the grammar (cached from then on) and warms up
+    _per_token_s(backend, None, 0)
+    pairs: list[tuple[float, float]] = []
+
+    def run() -> None:
+        for k in range(12):
+            first_free = k % 2 == 0
+            a = _per_token_s(backend, None if first_free else constraint, k + 1)
+            b = _per_token_s(backend, constraint if first_free else None, k + 1)
+            pairs.append((b, a) if first_free else (a, b))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    ratios = [c / f for c, f in pairs]
+    r = _record(benchmark, {"batch": 8, "constrained_us_per_token": statistics.median(c for c, _ in pairs) * 1e6,
+                            "free_us_per_token": statistics.median(f for _, f in pairs) * 1e6,
+                            "ratio_constrained_over_free": statistics.median(ratios),
+                            "pairs": [round(x, 3) for x in ratios], "target_ratio": CONSTRAINED_TARGET_RATIO})
+    assert r["ratio_constrained_over_free"] <= CONSTRAINED_TARGET_RATIO, r

@@ -57,6 +57,11 @@ class ToolParser(Protocol):
         have generated, the template's closing after it)."""
         ...
 
+    def call_tag(self, name: str) -> tuple[str, str, str]:
+        """For constrained decoding (``rlengine.constraints``): the text before a call of
+        ``name``'s JSON arguments, the text after them, and the separator between calls."""
+        ...
+
 
 def new_call_id() -> str:
     """An id for a tool call, in OpenAI's shape (``call_`` and 24 hex digits)."""
@@ -117,6 +122,11 @@ class HermesParser:
         if not isinstance(arguments, dict):
             return None
         return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def call_tag(self, name: str) -> tuple[str, str, str]:
+        # Qwen's exact layout, which the tiny template renders too: forced calls
+        # are sampled as the template would re-render them.
+        return f'{self.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ', f"}}\n{self.CLOSE}", "\n"
 
     def split_closing(self, rendered: str) -> tuple[str, str]:
         end = rendered.rfind(self.CLOSE)

@@ -169,6 +169,15 @@ class SamplingParams(_Public):
     ignore_eos: bool = False
     """Keep generating past the model's end-of-sequence token (benchmarks,
     tests); explicit ``stop`` ids and strings still apply. Not in Tinker."""
+    constraint: str | None = None
+    """Constrained decoding (not in Tinker): an xgrammar structural tag as JSON
+    text (``{"type": "structural_tag", "format": {...}}``, built by
+    ``rlengine.constraints``) that the completion must match. Tokens it does
+    not allow are masked before sampling (the torch backend with xgrammar,
+    vLLM with its structured outputs), and each token's logprob is that of
+    the masked distribution, the one the constrained sampler drew from. The
+    backend compiles it; one it cannot compile fails that request with
+    ``InvalidRequest`` naming ``sampling_params.constraint``."""
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -188,6 +197,14 @@ class SamplingParams(_Public):
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
             raise InvalidRequest("seed", s, "must be an integer or None")
+        c = self.constraint
+        if c is not None:
+            if not isinstance(c, str) or not c.startswith("{"):
+                raise InvalidRequest("constraint", c if not isinstance(c, str) else c[:40],
+                                     "must be a structural tag as JSON text, or None")
+            if self.ignore_eos:
+                raise InvalidRequest("ignore_eos", True, "cannot be combined with a constraint (a finished "
+                                     "constraint allows only the end of sequence)")
         stop = self.stop
         if stop is None:
             return

@@ -35,6 +35,8 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     """``sleep``/``wake_up`` really release and restore memory."""
     prompt_logprobs: bool = True
     stop_strings: bool = True
+    constraints: bool = False
+    """``SamplingParams.constraint`` (constrained decoding) is honoured."""
     weight_install: bool = True
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""

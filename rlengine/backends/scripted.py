@@ -13,7 +13,12 @@ per-token versions and the session layer's exact traces.
 
 The logprob of every scripted token is 0.0: the script is certain (the
 probability the sampler used is 1), and that is what the trace records.
-Prompt logprobs are not computed: asking for them fails that request.
+Prompt logprobs are not computed: asking for them fails that request. A
+request with a ``constraint`` gets the script only if the script's tokens
+match it (checked with the same xgrammar matcher the torch backend masks
+with, ``backends.grammar``); otherwise that request fails with
+``InvalidRequest``, so a test cannot pass forced output the constraint
+would not have allowed.
 
 Set the script with ``engine_args={"script": [...]}`` (and ``rlengine serve
 engine_args.script='[...]'``), or replace it while the engine runs with
@@ -31,8 +36,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.backends.grammar import Grammars
 from rlengine.backends.torch.sampling import StopText
-from rlengine.errors import ConfigurationError
+from rlengine.errors import ConfigurationError, InvalidRequest
 
 __all__ = ["ScriptedBackend", "build"]
 
@@ -59,11 +65,13 @@ class ScriptedBackend:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=False, stop_strings=True, weight_install=True,
+                                         constraints=True,
                                          why_not_sleep="the scripted backend holds no accelerator memory")
         end = tokenizer.eos_token_id
         if not isinstance(end, int):
             raise ConfigurationError("backend='scripted': the tokenizer has no end-of-sequence token")
         self.end_token = end
+        self.grammars = Grammars(tokenizer, vocab_size, [end])
         self._lock = threading.Lock()
         self._script: Iterator[str] = iter(())
         self.set_script(script)
@@ -90,7 +98,19 @@ class ScriptedBackend:
             raise ValueError(f"request_id={request.request_id!r}: already in the scripted backend")
         if request.prompt_logprobs:
             raise ValueError("the scripted backend computes no prompt logprobs")
-        self._running[request.request_id] = _Seq(request, self._next_tokens(), self.tokenizer)
+        tokens = self._next_tokens()
+        if request.params.constraint is not None:
+            self._check(request.params.constraint, tokens)
+        self._running[request.request_id] = _Seq(request, tokens, self.tokenizer)
+
+    def _check(self, constraint: str, tokens: list[int]) -> None:
+        matcher = self.grammars.matcher(constraint)
+        for i, token in enumerate(tokens):
+            if not matcher.accept(token):
+                text = self.tokenizer.decode(tokens[:-1])
+                raise InvalidRequest("sampling_params.constraint", constraint[:60],
+                                     f"the scripted completion {text[:80]!r} does not match it (token {i}, "
+                                     f"{self.tokenizer.decode([token])!r}, is not allowed there)")
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

@@ -6,7 +6,10 @@ sequence (the engine fans ``num_samples`` out with a seed each), the logprob
 of every sampled token (vLLM's default ``raw_logprobs``: log-softmax of the
 unscaled logits, which is what a trainer forward pass computes), prompt
 logprobs, stop strings and ids, abort. Non-streaming requests use
-``FINAL_ONLY`` so the engine does no per-token work for them.
+``FINAL_ONLY`` so the engine does no per-token work for them. A
+``constraint`` (an xgrammar structural tag) goes to vLLM's own structured
+outputs, which mask the logits before sampling, so its logprobs are of the
+masked distribution, as in the torch backend.
 
 Weights are installed in-process: ``collective_rpc("reload_weights",
 kwargs={"weights_iterator": ...})`` then ``reset_prefix_cache()`` (cached
@@ -29,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
-from rlengine.errors import ConfigurationError
+from rlengine.errors import ConfigurationError, InvalidRequest
 
 __all__ = ["VLLMBackend", "build"]
 
@@ -70,10 +73,13 @@ class VLLMBackend:
     def __init__(self, engine: Any, on_cuda: bool) -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._engine = engine
         self._params_cls = VSamplingParams
+        self._structured_cls = StructuredOutputsParams
+        self._refusals = (ValueError, VLLMValidationError)
         self._prompt_cls = TokensPrompt
         self._delta, self._final = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
         sleep_ok = on_cuda and bool(engine.vllm_config.model_config.enable_sleep_mode)
@@ -81,7 +87,7 @@ class VLLMBackend:
             "vLLM sleep mode needs CUDA; unsupported on CPU" if not on_cuda
             else "vLLM was built without enable_sleep_mode=True")
         self.capabilities = Capabilities(sleep=sleep_ok, prompt_logprobs=True, stop_strings=True,
-                                         weight_install=True, why_not_sleep=why)
+                                         constraints=True, weight_install=True, why_not_sleep=why)
         model_config = engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
@@ -114,9 +120,22 @@ class VLLMBackend:
             prompt_logprobs=0 if request.prompt_logprobs else None,
             detokenize=bool(stop_strings),
             output_kind=self._delta if request.stream else self._final,
+            structured_outputs=(None if p.constraint is None
+                                else self._structured_cls(structural_tag=p.constraint)),
         )
         prompt = self._prompt_cls(prompt_token_ids=memoryview(request.prompt).cast("i").tolist())
-        self._engine.add_request(request.request_id, prompt, params)
+        if p.constraint is None:
+            self._engine.add_request(request.request_id, prompt, params)
+            return
+        try:
+            self._engine.add_request(request.request_id, prompt, params)
+        except self._refusals as exc:  # vLLM validates (compiles) the structural tag here
+            causes, cause = [str(exc)], exc.__cause__ or exc.__context__
+            while cause is not None and len(causes) < 4:
+                causes.append(str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__)
+                cause = cause.__cause__ or cause.__context__
+            raise InvalidRequest("sampling_params.constraint", p.constraint[:60],
+                                 f"vLLM's structured outputs refuse it: {'; '.join(causes)[:400]}") from None
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)

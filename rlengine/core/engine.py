@@ -407,6 +407,9 @@ class Engine:
             raise InvalidRequest("sampling_params", type(params).__name__, "must be a SamplingParams")
         if params.stop is not None and params.stop_strings and not self.backend.capabilities.stop_strings:
             raise InvalidRequest("sampling_params.stop", params.stop, f"backend {self.backend.name} has no stop strings")
+        if params.constraint is not None and not self.backend.capabilities.constraints:
+            raise InvalidRequest("sampling_params.constraint", params.constraint[:60],
+                                 f"backend {self.backend.name} has no constrained decoding")
         return SampleSpec(raw, num_samples, params, bool(include_prompt_logprobs))
 
     def submit_sample(self, spec: SampleSpec, *, version: int | None = None, session_id: str | None = None,

@@ -13,10 +13,11 @@ Endpoints:
   as ``message.tool_calls`` with ``finish_reason: "tool_calls"``, streamed as
   ``tool_calls`` deltas after the text; the history may hold assistant
   messages with ``tool_calls`` (content null or text) and ``role: "tool"``
-  results. ``tool_choice`` ``auto`` and ``none`` are honoured, ``required``,
-  a named function and ``response_format`` json modes are refused (they need
-  constrained decoding), never ignored; ``parallel_tool_calls: false`` returns
-  at most one call. Stop strings are not part of the returned text;
+  results. ``tool_choice`` ``auto``, ``none``, ``required`` and a named
+  function, ``parallel_tool_calls`` and ``response_format`` (``json_object``,
+  ``json_schema``) are honoured; the last three kinds force the output by
+  constrained decoding (``rlengine.constraints``), and such turns are listed
+  in the trace's ``constrained``. Stop strings are not part of the returned text;
 * ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional; the
   answer holds the id, the token and the session's own ``base_url``,
   ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
@@ -53,11 +54,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from rlengine.constraints import json_response
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
 from rlengine.render import TextStream
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
-from rlengine.serve.sessions import Session, SessionManager, TurnResult
+from rlengine.serve.sessions import Session, SessionManager, ToolUse, TurnResult
 from rlengine.types import SamplingParams
 
 __all__ = ["ChatCompletionRequest", "HttpServer"]
@@ -150,27 +152,22 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(req: ChatCompletionRequest) -> bool:
-    """Whether tool calls are parsed from the completions (``tool_choice`` none: not)."""
-    choice = req.tool_choice
-    if choice is None or choice == "auto":
-        return True
-    if choice == "none":
-        return False
-    if choice == "required" or isinstance(choice, dict):
-        raise Unsupported(f"tool_choice={choice!r}: forcing a tool call needs constrained decoding, which this "
-                          "server does not do yet; use 'auto' or 'none'")
-    raise InvalidRequest("tool_choice", choice, "must be 'auto', 'none', 'required' or a named function")
-
-
-def _response_format(req: ChatCompletionRequest) -> None:
-    kind = None if req.response_format is None else req.response_format.get("type")
-    if kind in (None, "text"):
-        return
-    if kind in ("json_object", "json_schema"):
-        raise Unsupported(f"response_format.type={kind!r}: honouring it needs constrained decoding, which this "
-                          "server does not do yet (refused rather than ignored)")
-    raise InvalidRequest("response_format.type", kind, "must be 'text', 'json_object' or 'json_schema'")
+def _tool_use(req: ChatCompletionRequest) -> ToolUse:
+    """``tool_choice``, ``parallel_tool_calls`` and ``response_format``, checked."""
+    choice, forced = req.tool_choice, None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        forced = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(forced, str):
+            raise InvalidRequest("tool_choice", choice, "a named choice must be {'type': 'function', "
+                                 "'function': {'name': ...}}")
+        choice = "function"
+    elif choice not in ("auto", "none", "required"):
+        raise InvalidRequest("tool_choice", choice, "must be 'auto', 'none', 'required' or a named function")
+    return ToolUse(choice=choice, forced=forced, parallel=req.parallel_tool_calls is not False,
+                   schema=json_response("response_format", req.response_format))
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -354,10 +351,13 @@ class HttpServer:
         def ints(raw: bytes, code: str) -> list[Any]:
             return array(code, raw).tolist()
 
-        return self._json({"session_id": trace.session_id, "turns": trace.turns, "trajectories": [
+        return self._json({"session_id": trace.session_id, "turns": trace.turns,
+                           "constrained": sorted(trace.constrained), "trajectories": [
             {"tokens": ints(t.tokens_raw, "i"), "logprobs": ints(t.logprobs_raw, "f"),
              "versions": ints(t.versions_raw, "i"), "loss_mask": list(t.loss_mask_raw),
-             "shared_prefix": t.shared_prefix, "reward": r}
+             "shared_prefix": t.shared_prefix, "reward": r,
+             "segments": [{"start": g.start, "end": g.end, "kind": g.kind, "request_id": g.request_id}
+                          for g in t.segments]}
             for t, r in zip(trace.trajectories, trace.rewards)]})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -365,13 +365,11 @@ class HttpServer:
         if req.model is not None and req.model != self.model_name:
             raise InvalidRequest("model", req.model, f"this server serves {self.model_name!r} (see /v1/models)")
         session, affinity = self._session_from(request, req.session_id, req.session_token)
-        messages, params = _messages(req), _sampling(req)
-        parse = _tool_choice(req)
-        _response_format(req)
+        messages, params, tool_use = _messages(req), _sampling(req), _tool_use(req)
         if req.stream:
-            return await self._stream(request, req, session, affinity, messages, params, parse)
-        fut = self.sessions.chat(session, messages, params, req.n, tools=req.tools, parse_tool_calls=parse,
-                                 one_tool_call=req.parallel_tool_calls is False, affinity=affinity)
+            return await self._stream(request, req, session, affinity, messages, params, tool_use)
+        fut = self.sessions.chat(session, messages, params, req.n, tools=req.tools, tool_use=tool_use,
+                                 affinity=affinity)
         try:
             result = await fut
         except asyncio.CancelledError:
@@ -414,7 +412,7 @@ class HttpServer:
 
     async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
                       affinity: str | None, messages: list[dict[str, Any]], params: SamplingParams,
-                      parse: bool) -> web.StreamResponse:
+                      tool_use: ToolUse) -> web.StreamResponse:
         renderer = self.sessions.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template")
@@ -425,8 +423,7 @@ class HttpServer:
 
         # Validation errors raise here, before any byte of the response is sent.
         fut = self.sessions.chat(session, messages, params, req.n, on_tokens=on_tokens, tools=req.tools,
-                                 parse_tool_calls=parse, one_tool_call=req.parallel_tool_calls is False,
-                                 affinity=affinity)
+                                 tool_use=tool_use, affinity=affinity)
         fut.add_done_callback(lambda _f: queue.put_nowait(None))
         chunk_id, created = f"chatcmpl-{fut.request_id}", int(time.time())
         encode = self._encoder.encode
@@ -441,19 +438,25 @@ class HttpServer:
         # Text that may turn out to be a tool call's markup, or the stop string the
         # reply ends before, is held back until the turn's end settles it.
         held = tuple(params.stop_strings)
-        if req.tools and parse and self.sessions.tool_parser is not None:
+        if req.tools and tool_use.choice != "none" and self.sessions.tool_parser is not None:
             held += (self.sessions.tool_parser.start_marker,)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         streams = [_ContentStream(renderer, held) for _ in range(req.n)]
         try:
+            # The headers wait for the first tokens: a request the backend refuses
+            # (a constraint it cannot compile) still gets its error status.
+            item = await queue.get()
+            if item is None and fut.exception(0) is not None:
+                raise fut.exception(0)  # type: ignore[misc]
             await response.prepare(request)
             await response.write(b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                                    "finish_reason": None}]) for i in range(req.n)))
-            while (item := await queue.get()) is not None:
+            while item is not None:
                 index, ids = item
                 text = streams[index].push(ids)
                 if text:
                     await response.write(chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}]))
+                item = await queue.get()
             exc = fut.exception(0)
             if exc is not None:
                 err = to_serve_error(exc)

@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlengine.constraints import output_constraint
 from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import (
@@ -73,7 +74,7 @@ from rlengine.tool_parsers import ToolCall, ToolParser
 from rlengine.trace import TraceStore, Trajectory
 from rlengine.types import ModelInput, SampleResponse, SamplingParams
 
-__all__ = ["MAX_SAMPLES", "Session", "SessionManager", "SessionTrace", "TurnResult"]
+__all__ = ["MAX_SAMPLES", "Session", "SessionManager", "SessionTrace", "ToolUse", "TurnResult"]
 
 MAX_SAMPLES = 64
 """Most completions (``n``) one turn may ask for."""
@@ -93,6 +94,23 @@ class TurnResult(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     choices: list[Choice]
 
 
+class ToolUse(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """What a chat request says about tool calls and the output's shape (every API's
+    ``tool_choice``, ``parallel_tool_calls`` and JSON response, in one form)."""
+
+    choice: str = "auto"
+    """``auto``, ``none`` (calls are not parsed), ``required`` or ``function`` (``forced``)."""
+    forced: str | None = None
+    """The function ``choice="function"`` forces."""
+    parallel: bool = True
+    """False: at most one call is returned (and forced)."""
+    schema: Any = None
+    """A JSON response's schema (``constraints.json_response``), or None for text."""
+
+
+_FREE = ToolUse()
+
+
 class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     """What training gets from a session: one trajectory per branch, with its reward."""
 
@@ -101,6 +119,10 @@ class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     rewards: list[float | None]
     """Per trajectory: the reward sent while its leaf was the session's latest turn."""
     turns: int
+    constrained: frozenset[str] = frozenset()
+    """Request ids (the segments' ``request_id``) of turns sampled under a constraint
+    (forced tool calls, a JSON response): their logprobs are of the masked
+    distribution the constrained sampler drew from, not of the model's own."""
 
 
 class Session:
@@ -108,6 +130,7 @@ class Session:
 
     __slots__ = (
         "boundaries",
+        "constrained",
         "in_flight",
         "leaf",
         "retired",
@@ -132,6 +155,8 @@ class Session:
         """(replica, lease id) of turns abandoned mid-generation."""
         self.turns = 0
         self.retired = False
+        self.constrained: set[str] = set()
+        """Request ids of its turns sampled under a constraint (``SessionTrace.constrained``)."""
 
     def __repr__(self) -> str:
         return f"<Session {self.session_id} turns={self.turns}{' retired' if self.retired else ''}>"
@@ -244,18 +269,19 @@ class SessionManager:
         return len(self._turns)
 
     def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
-             on_tokens: OnTokens | None = None, tools: Any = None, parse_tool_calls: bool = True,
-             one_tool_call: bool = False, affinity: str | None = None) -> RequestFuture[TurnResult]:
+             on_tokens: OnTokens | None = None, tools: Any = None, tool_use: ToolUse = _FREE,
+             affinity: str | None = None) -> RequestFuture[TurnResult]:
         """Sample a chat turn; ``session`` None: a stateless request (nothing traced).
 
         ``tools`` (OpenAI function tools) are rendered by the model's chat
         template; each completion's tool calls are parsed from its text
-        (``parse_tool_calls`` False: not, for ``tool_choice="none"``;
-        ``one_tool_call``: at most the first is returned, for
-        ``parallel_tool_calls=false``, and a completion that made more is
-        not matched back when the conversation continues: it branches).
-        ``affinity`` (a stateless request only) keeps requests that name the
-        same key on one replica."""
+        (``tool_use.choice`` none: not). ``tool_use`` also says what the
+        output is forced to be: a required or named call, a JSON response
+        (``rlengine.constraints``, sampled under a constraint); with
+        ``parallel`` False at most the first call is returned, and a
+        completion that made more is not matched back when the conversation
+        continues: it branches. ``affinity`` (a stateless request only) keeps
+        requests that name the same key on one replica."""
         renderer = self.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template; use token turns (generate)")
@@ -265,7 +291,12 @@ class SessionManager:
         if tools and self.tool_parser is None:
             raise InvalidRequest("tools", len(tools), "the model's chat template writes no tool calls rlengine can "
                                  "read (tool_parser); serve a model whose template renders tools")
-        parser = self.tool_parser if tools and parse_tool_calls else None
+        parser = self.tool_parser if tools and tool_use.choice != "none" else None
+        one_tool_call = not tool_use.parallel
+        constraint = output_constraint(self.tool_parser, tools, tool_use.choice, tool_use.forced,
+                                       parallel=tool_use.parallel, schema=tool_use.schema)
+        if constraint is not None:
+            params = msgspec.structs.replace(params, constraint=constraint)
         full = renderer.render(msgs, True, tools)
         if session is None:
             prompt = renderer.encode(full)
@@ -388,6 +419,8 @@ class SessionManager:
                      request_id: str) -> list[Choice]:
         store, renderer, sid = self.store, self.renderer, session.session_id
         assert renderer is not None
+        if params.constraint is not None:
+            session.constrained.add(request_id)
         kind = "prompt" if session.turns == 0 else "environment"
         prompt_end = store.append_turn(sid, suffix, kind=kind, parent=base.handle).handle
         session.boundaries[(keys[-1], True)] = Boundary(prompt_end, len(msgs), True, "")
@@ -471,5 +504,6 @@ class SessionManager:
     def _export(self, session: Session) -> SessionTrace:
         trajectories = self.store.export(session.session_id)
         return SessionTrace(session_id=session.session_id, trajectories=trajectories,
-                            rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns)
+                            rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
+                            constrained=frozenset(session.constrained))
 

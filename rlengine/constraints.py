@@ -1,0 +1,106 @@
+"""What an API request forces the output to be, as one xgrammar structural tag.
+
+Constrained decoding takes one ``SamplingParams.constraint``: an xgrammar
+structural tag as JSON text (``{"type": "structural_tag", "format": ...}``),
+which the torch backend compiles with xgrammar and vLLM with its own
+structured outputs. ``output_constraint`` builds it from what the APIs say:
+
+* ``tool_choice="required"``: one or more tool calls (at most one when
+  ``parallel`` is False) and nothing else; ``tool_choice={"name": ...}``: one
+  call of that function. Each call is written in the model's own tool-call
+  syntax (the parser's ``call_tag``: for Hermes/Qwen ``<tool_call>\\n{"name":
+  "f", "arguments": `` *JSON matching the tool's parameters* ``}\\n</tool_call>``),
+  so a forced call is sampled, parsed and traced exactly as a free one;
+* a JSON response (``json_object``: any JSON object; ``json_schema``: that
+  schema) with ``tool_choice`` ``none`` or no tools: the JSON only; with
+  ``auto`` tools: either the JSON or tool calls;
+* otherwise None: nothing is constrained.
+
+Pure data: this module compiles nothing (the backend does, on its compute
+thread) and imports only the standard library and the errors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+from rlengine.errors import InvalidRequest
+
+__all__ = ["CallSyntax", "json_response", "output_constraint"]
+
+
+class CallSyntax(Protocol):
+    """What a tool parser (``rlengine.tool_parsers``) tells constrained decoding."""
+
+    def call_tag(self, name: str) -> tuple[str, str, str]: ...
+
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def json_response(field: str, response_format: Any) -> Any:
+    """The JSON schema an OpenAI ``response_format`` asks for (True-ish for any JSON object),
+    or None for text; ``InvalidRequest`` naming ``field`` for anything else."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise InvalidRequest(field, response_format, "must be an object with a 'type'")
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return _ANY_OBJECT
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None and isinstance(spec, dict) and "schema" not in spec:
+            schema = _ANY_OBJECT  # OpenAI allows a json_schema without a schema: any JSON object
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(f"{field}.json_schema.schema", schema, "must be a JSON schema (an object)")
+        return schema
+    raise InvalidRequest(f"{field}.type", kind, "must be 'text', 'json_object' or 'json_schema'")
+
+
+def _call_tags(syntax: CallSyntax, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    tags = []
+    for tool in tools:
+        function = tool["function"]
+        begin, end, _ = syntax.call_tag(function["name"])
+        schema = function.get("parameters") or _ANY_OBJECT
+        tags.append({"type": "tag", "begin": begin, "end": end,
+                     "content": {"type": "json_schema", "json_schema": schema}})
+    return tags
+
+
+def output_constraint(syntax: CallSyntax | None, tools: list[dict[str, Any]] | None, tool_choice: str,
+                      forced: str | None = None, *, parallel: bool = True, schema: Any = None) -> str | None:
+    """The structural tag (JSON text) for a request, or None when its output is free.
+
+    ``tools`` are normalized OpenAI function tools (``render.normalize_tools``);
+    ``tool_choice`` is ``"auto"``, ``"none"``, ``"required"`` or ``"function"``
+    with ``forced`` naming it; ``schema`` is the JSON response's schema
+    (``json_response``) or None."""
+    fmt: dict[str, Any] | None = None
+    if tools and tool_choice != "none":
+        if syntax is None:
+            raise InvalidRequest("tools", len(tools), "the model has no tool-call syntax to constrain")
+        if tool_choice == "function":
+            chosen = [t for t in tools if t["function"]["name"] == forced]
+            if not chosen:
+                raise InvalidRequest("tool_choice.function.name", forced,
+                                     f"names no tool of this request (tools: {[t['function']['name'] for t in tools]})")
+            fmt = _call_tags(syntax, chosen)[0]
+        elif tool_choice in ("required", "auto") and (tool_choice == "required" or schema is not None):
+            separator = syntax.call_tag(tools[0]["function"]["name"])[2]
+            fmt = {"type": "tags_with_separator", "tags": _call_tags(syntax, tools), "separator": separator,
+                   "at_least_one": True, "stop_after_first": not parallel}
+            if tool_choice == "auto":  # the JSON answer, or tool calls
+                fmt = {"type": "or", "elements": [{"type": "json_schema", "json_schema": schema}, fmt]}
+    elif tool_choice == "function":
+        raise InvalidRequest("tool_choice", forced, "forces a function, but the request has no tools")
+    elif tool_choice == "required":
+        raise InvalidRequest("tool_choice", "required", "needs tools")
+    if fmt is None and schema is not None and (not tools or tool_choice == "none"):
+        fmt = {"type": "json_schema", "json_schema": schema}
+    return None if fmt is None else json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
