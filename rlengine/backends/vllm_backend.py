@@ -72,8 +72,8 @@ class VLLMBackend:
 
     def __init__(self, engine: Any, on_cuda: bool) -> None:
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._engine = engine
