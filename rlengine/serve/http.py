@@ -58,6 +58,7 @@ from rlengine.constraints import json_response
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
 from rlengine.render import TextStream
+from rlengine.serve import anthropic
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
 from rlengine.serve.sessions import Session, SessionManager, ToolUse, TurnResult
 from rlengine.types import SamplingParams
@@ -182,9 +183,15 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
                           seed=req.seed, stop=req.stop or None, ignore_eos=req.ignore_eos)
 
 
-def _error(exc: BaseException) -> web.Response:
+def _error(exc: BaseException, anthropic: bool = False) -> web.Response:
+    """The error response for ``exc``: OpenAI's shape, or Anthropic's on its Messages API."""
     err = to_serve_error(exc)
     status = HTTP_STATUS.get(err.code, 500)
+    if anthropic:
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+            status, "invalid_request_error" if status < 500 else "api_error")
+        return web.json_response({"type": "error", "error": {"type": kind, "message": f"{err.code}: {err}"}},
+                                 status=status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": str(err), "type": kind, "code": err.code, "param": None}}
     return web.json_response(body, status=status)
@@ -201,6 +208,7 @@ class HttpServer:
         self.created = int(time.time())
         self.url: str | None = None
         self._decoder = msgspec.json.Decoder(ChatCompletionRequest)
+        self._messages_decoder = msgspec.json.Decoder(anthropic.MessagesRequest)
         self._session_decoder = msgspec.json.Decoder(_SessionBody)
         self._reward_decoder = msgspec.json.Decoder(_RewardBody)
         self._encoder = msgspec.json.Encoder()
@@ -210,9 +218,11 @@ class HttpServer:
             web.get("/v1/models/{model_id}", self.model),
             # A session's own base URL: its token is the API key (for harnesses that set only those two).
             web.post("/sessions/{session_id}/v1/chat/completions", self.chat_completions),
+            web.post("/sessions/{session_id}/v1/messages", self.messages),
             web.get("/sessions/{session_id}/v1/models", self.models),
             web.get("/sessions/{session_id}/v1/models/{model_id}", self.model),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/messages", self.messages),
             web.post("/v1/sessions", self.open_session),
             web.delete("/v1/sessions/{session_id}", self.close_session),
             web.post("/v1/sessions/{session_id}/reward", self.reward),
@@ -249,9 +259,10 @@ class HttpServer:
         # A session's own base URL is authorized by the session's token, checked by the handler.
         if self.api_key is not None and "session_id" not in request.match_info:
             auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth.startswith("Bearer ") else ""
+            # OpenAI's clients send a bearer token, Anthropic's an x-api-key header.
+            given = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                body = {"error": {"message": "missing or wrong bearer token (Authorization: Bearer <api_key>)",
+                body = {"error": {"message": "missing or wrong API key (Authorization: Bearer <api_key>, or x-api-key)",
                                   "type": "invalid_request_error", "code": "unauthorized", "param": None}}
                 return web.json_response(body, status=401)
         try:
@@ -268,8 +279,8 @@ class HttpServer:
             raise
         except (asyncio.CancelledError, ConnectionError):
             raise
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
-            return _error(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an API-shaped error
+            return _error(exc, anthropic=request.path.endswith("/v1/messages"))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -360,23 +371,61 @@ class HttpServer:
                           for g in t.segments]}
             for t, r in zip(trace.trajectories, trace.rewards)]})
 
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise InvalidRequest("model", model, f"this server serves {self.model_name!r} (see /v1/models)")
+
+    async def _turn(self, fut: Any) -> TurnResult:
+        """The turn's result; a client that goes away abandons it (see the module docstring)."""
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not fut.done():
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-generation")
+            raise
+
+    def _streamed_turn(self, session: Session | None, messages: list[dict[str, Any]], params: SamplingParams,
+                       n: int, tools: Any, tool_use: ToolUse, affinity: str | None) -> tuple[Any, asyncio.Queue]:
+        """Start a turn whose tokens arrive on a queue as ``(choice index, ids)``; None once it settled."""
+        if self.sessions.renderer is None:
+            raise Unsupported("chat: this backend has no tokenizer and chat template")
+        queue: asyncio.Queue[tuple[int, list[int]] | None] = asyncio.Queue()
+
+        def on_tokens(index: int, ids: list[int], _lps: list[float], _version: int) -> None:
+            queue.put_nowait((index, ids))
+
+        # Validation errors raise here, before any byte of the response is sent.
+        fut = self.sessions.chat(session, messages, params, n, on_tokens=on_tokens, tools=tools, tool_use=tool_use,
+                                 affinity=affinity)
+        fut.add_done_callback(lambda _f: queue.put_nowait(None))
+        return fut, queue
+
+    @staticmethod
+    async def _first_tokens(fut: Any, queue: asyncio.Queue) -> Any:
+        """The first item of a streamed turn. The headers wait for it: a request the backend
+        refuses (a constraint it cannot compile) still gets its error status."""
+        item = await queue.get()
+        if item is None and fut.exception(0) is not None:
+            raise fut.exception(0)
+        return item
+
+    def _held(self, params: SamplingParams, tools: Any, tool_use: ToolUse) -> tuple[str, ...]:
+        """What a stream holds back until the turn ends: the stop strings, and where a tool call may start."""
+        held = tuple(params.stop_strings)
+        if tools and tool_use.choice != "none" and self.sessions.tool_parser is not None:
+            held += (self.sessions.tool_parser.start_marker,)
+        return held
+
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._decode(request, self._decoder)
-        if req.model is not None and req.model != self.model_name:
-            raise InvalidRequest("model", req.model, f"this server serves {self.model_name!r} (see /v1/models)")
+        self._check_model(req.model)
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, params, tool_use = _messages(req), _sampling(req), _tool_use(req)
         if req.stream:
             return await self._stream(request, req, session, affinity, messages, params, tool_use)
         fut = self.sessions.chat(session, messages, params, req.n, tools=req.tools, tool_use=tool_use,
                                  affinity=affinity)
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-generation")
-            raise
-        return self._json(self._completion(result, session, req.logprobs))
+        return self._json(self._completion(await self._turn(fut), session, req.logprobs))
 
     def _completion(self, result: TurnResult, session: Session | None, logprobs: bool) -> dict[str, Any]:
         completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
@@ -413,18 +462,8 @@ class HttpServer:
     async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
                       affinity: str | None, messages: list[dict[str, Any]], params: SamplingParams,
                       tool_use: ToolUse) -> web.StreamResponse:
+        fut, queue = self._streamed_turn(session, messages, params, req.n, req.tools, tool_use, affinity)
         renderer = self.sessions.renderer
-        if renderer is None:
-            raise Unsupported("chat: this backend has no tokenizer and chat template")
-        queue: asyncio.Queue[tuple[int, list[int]] | None] = asyncio.Queue()
-
-        def on_tokens(index: int, ids: list[int], _lps: list[float], _version: int) -> None:
-            queue.put_nowait((index, ids))
-
-        # Validation errors raise here, before any byte of the response is sent.
-        fut = self.sessions.chat(session, messages, params, req.n, on_tokens=on_tokens, tools=req.tools,
-                                 tool_use=tool_use, affinity=affinity)
-        fut.add_done_callback(lambda _f: queue.put_nowait(None))
         chunk_id, created = f"chatcmpl-{fut.request_id}", int(time.time())
         encode = self._encoder.encode
 
@@ -437,17 +476,11 @@ class HttpServer:
 
         # Text that may turn out to be a tool call's markup, or the stop string the
         # reply ends before, is held back until the turn's end settles it.
-        held = tuple(params.stop_strings)
-        if req.tools and tool_use.choice != "none" and self.sessions.tool_parser is not None:
-            held += (self.sessions.tool_parser.start_marker,)
+        held = self._held(params, req.tools, tool_use)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         streams = [_ContentStream(renderer, held) for _ in range(req.n)]
         try:
-            # The headers wait for the first tokens: a request the backend refuses
-            # (a constraint it cannot compile) still gets its error status.
-            item = await queue.get()
-            if item is None and fut.exception(0) is not None:
-                raise fut.exception(0)  # type: ignore[misc]
+            item = await self._first_tokens(fut, queue)
             await response.prepare(request)
             await response.write(b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                                    "finish_reason": None}]) for i in range(req.n)))
@@ -478,6 +511,92 @@ class HttpServer:
                                                     "completion_tokens": completion_tokens,
                                                     "total_tokens": result.prompt_tokens + completion_tokens}))
             await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionError):
+            if not fut.done():
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream")
+            raise
+        return response
+
+    # -- Anthropic's Messages API -----------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        req = await self._decode(request, self._messages_decoder)
+        self._check_model(req.model)
+        session, affinity = self._session_from(request, req.session_id, req.session_token)
+        messages, tools, tool_use, params = anthropic.to_chat(req)
+        if req.stream:
+            return await self._messages_stream(request, session, affinity, messages, tools, tool_use, params)
+        fut = self.sessions.chat(session, messages, params, 1, tools=tools, tool_use=tool_use, affinity=affinity)
+        result = await self._turn(fut)
+        choice = result.choices[0]
+        return self._json(anthropic.message_body(f"msg_{result.request_id}", self.model_name, choice,
+                                                 result.prompt_tokens, self._stop_details(choice, params)))
+
+    def _stop_details(self, choice: Choice, params: SamplingParams) -> tuple[str, str | None]:
+        renderer = self.sessions.renderer
+        assert renderer is not None
+        return anthropic.stop_details(choice, params, lambda ids: renderer.decode(ids, skip_special=False))
+
+    async def _messages_stream(self, request: web.Request, session: Session | None, affinity: str | None,
+                               messages: list[dict[str, Any]], tools: Any, tool_use: ToolUse,
+                               params: SamplingParams) -> web.StreamResponse:
+        fut, queue = self._streamed_turn(session, messages, params, 1, tools, tool_use, affinity)
+        message_id = f"msg_{fut.request_id}"
+        encode = self._encoder.encode
+
+        def event(kind: str, **data: Any) -> bytes:
+            return anthropic.sse(encode, kind, data)
+
+        stream = _ContentStream(self.sessions.renderer, self._held(params, tools, tool_use))
+        text_open = False
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            item = await self._first_tokens(fut, queue)
+            await response.prepare(request)
+            await response.write(event("message_start", message={
+                "id": message_id, "type": "message", "role": "assistant", "model": self.model_name, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}))
+            while True:
+                text = stream.push(item[1]) if item is not None else ""
+                if text:
+                    if not text_open:
+                        text_open = True
+                        await response.write(event("content_block_start", index=0,
+                                                   content_block={"type": "text", "text": ""}))
+                    await response.write(event("content_block_delta", index=0,
+                                               delta={"type": "text_delta", "text": text}))
+                if item is None:
+                    break
+                item = await queue.get()
+            exc = fut.exception(0)
+            if exc is not None:
+                err = to_serve_error(exc)
+                await response.write(event("error", error={"type": "api_error", "message": f"{err.code}: {err}"}))
+            else:
+                result = fut.result(0)
+                choice = result.choices[0]
+                rest = stream.finish(choice.text or "")
+                if rest and not text_open:
+                    text_open = True
+                    await response.write(event("content_block_start", index=0,
+                                               content_block={"type": "text", "text": ""}))
+                if rest:
+                    await response.write(event("content_block_delta", index=0,
+                                               delta={"type": "text_delta", "text": rest}))
+                if text_open:
+                    await response.write(event("content_block_stop", index=0))
+                for k, call in enumerate(choice.tool_calls or (), start=int(text_open)):
+                    await response.write(event("content_block_start", index=k, content_block={
+                        "type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
+                    await response.write(event("content_block_delta", index=k,
+                                               delta={"type": "input_json_delta", "partial_json": call.arguments}))
+                    await response.write(event("content_block_stop", index=k))
+                reason, sequence = self._stop_details(choice, params)
+                await response.write(event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                                           usage={"input_tokens": result.prompt_tokens,
+                                                  "output_tokens": len(choice.tokens_raw) // 4}))
+                await response.write(event("message_stop"))
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
