@@ -18,17 +18,22 @@ Endpoints:
   ``json_schema``) are honoured; the last three kinds force the output by
   constrained decoding (``rlengine.constraints``), and such turns are listed
   in the trace's ``constrained``. Stop strings are not part of the returned text;
+* ``POST /v1/messages`` - Anthropic's Messages API and ``POST /v1/responses``
+  - OpenAI's Responses API, each translated to the same chat turns
+  (``serve.anthropic``, ``serve.responses``), streamed as those APIs stream;
 * ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional; the
   answer holds the id, the token and the session's own ``base_url``,
   ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
-  chat/completions`` and ``GET models`` there are that session's),
+  chat/completions``, ``messages``, ``responses`` and ``GET models`` there
+  are that session's),
   ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
   (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
   session's token.
 
 It binds 127.0.0.1 unless told otherwise; with ``api_key`` set every request
 must carry ``Authorization: Bearer <api_key>`` (what the ``openai`` client
-sends), but for those on a session's own base URL, which carry its token.
+sends) or ``x-api-key: <api_key>`` (the ``anthropic`` client), but for those
+on a session's own base URL, which carry its token.
 Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``) with
 the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a retired
 session is 410 Gone.
@@ -58,7 +63,7 @@ from rlengine.constraints import json_response
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
 from rlengine.render import TextStream
-from rlengine.serve import anthropic
+from rlengine.serve import anthropic, responses
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
 from rlengine.serve.sessions import Session, SessionManager, ToolUse, TurnResult
 from rlengine.types import SamplingParams
@@ -209,6 +214,7 @@ class HttpServer:
         self.url: str | None = None
         self._decoder = msgspec.json.Decoder(ChatCompletionRequest)
         self._messages_decoder = msgspec.json.Decoder(anthropic.MessagesRequest)
+        self._responses_decoder = msgspec.json.Decoder(responses.ResponsesRequest)
         self._session_decoder = msgspec.json.Decoder(_SessionBody)
         self._reward_decoder = msgspec.json.Decoder(_RewardBody)
         self._encoder = msgspec.json.Encoder()
@@ -219,10 +225,12 @@ class HttpServer:
             # A session's own base URL: its token is the API key (for harnesses that set only those two).
             web.post("/sessions/{session_id}/v1/chat/completions", self.chat_completions),
             web.post("/sessions/{session_id}/v1/messages", self.messages),
+            web.post("/sessions/{session_id}/v1/responses", self.responses),
             web.get("/sessions/{session_id}/v1/models", self.models),
             web.get("/sessions/{session_id}/v1/models/{model_id}", self.model),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/messages", self.messages),
+            web.post("/v1/responses", self.responses),
             web.post("/v1/sessions", self.open_session),
             web.delete("/v1/sessions/{session_id}", self.close_session),
             web.post("/v1/sessions/{session_id}/reward", self.reward),
@@ -597,6 +605,60 @@ class HttpServer:
                                            usage={"input_tokens": result.prompt_tokens,
                                                   "output_tokens": len(choice.tokens_raw) // 4}))
                 await response.write(event("message_stop"))
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionError):
+            if not fut.done():
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream")
+            raise
+        return response
+
+    # -- OpenAI's Responses API -------------------------------------------------------------
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        req = await self._decode(request, self._responses_decoder)
+        self._check_model(req.model)
+        session, affinity = self._session_from(request, req.session_id, req.session_token)
+        messages, tools, tool_use, params = responses.to_chat(req)
+        if req.stream:
+            return await self._responses_stream(request, req, session, affinity, messages, tools, tool_use, params)
+        fut = self.sessions.chat(session, messages, params, 1, tools=tools, tool_use=tool_use, affinity=affinity)
+        result = await self._turn(fut)
+        return self._json(responses.response_body(result.request_id, self.model_name, req, result.choices[0],
+                                                  result.prompt_tokens))
+
+    async def _responses_stream(self, request: web.Request, req: Any, session: Session | None,
+                                affinity: str | None, messages: list[dict[str, Any]], tools: Any,
+                                tool_use: ToolUse, params: SamplingParams) -> web.StreamResponse:
+        fut, queue = self._streamed_turn(session, messages, params, 1, tools, tool_use, affinity)
+        events = responses.ResponseEvents(self._encoder.encode, fut.request_id)
+        created = int(time.time())
+        stream = _ContentStream(self.sessions.renderer, self._held(params, tools, tool_use))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            item = await self._first_tokens(fut, queue)
+            await response.prepare(request)
+            started = responses.response_body(fut.request_id, self.model_name, req, None, 0, created)
+            await response.write(events.event("response.created", response=started)
+                                 + events.event("response.in_progress", response=started))
+            while item is not None:
+                text = stream.push(item[1])
+                if text:
+                    await response.write(events.text(text))
+                item = await queue.get()
+            exc = fut.exception(0)
+            if exc is not None:
+                err = to_serve_error(exc)
+                failed = {**started, "status": "failed", "error": {"code": err.code, "message": str(err)}}
+                await response.write(events.event("response.failed", response=failed))
+            else:
+                result = fut.result(0)
+                choice = result.choices[0]
+                rest = stream.finish(choice.text or "")
+                if rest:
+                    await response.write(events.text(rest))
+                final = responses.response_body(result.request_id, self.model_name, req, choice,
+                                                result.prompt_tokens, created)
+                await response.write(events.finish(final))
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
