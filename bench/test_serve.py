@@ -359,6 +359,71 @@ def test_tool_call_turn_vs_plain_turn(record, rlengine_serve):
     assert r["ratio_tool_over_plain"] <= TOOL_TARGET_RATIO, r
 
 
+# -- an Anthropic and a Responses turn vs the same Chat Completions turn -------------------------------
+
+DIALECT_CLIENT = """
+import http.client, json, sys, time
+from urllib.parse import urlparse
+http_url, n = sys.argv[1], int(sys.argv[2])
+url = urlparse(http_url)
+conn = http.client.HTTPConnection(url.hostname, url.port)
+schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+question = "What is the weather in Oslo?"
+# One turn, three dialects: the same system prompt, message, tool and sampling, so the same
+# prompt tokens and the same scripted completion (a text and a tool call).
+bodies = {
+    "chat": ("/v1/chat/completions", {"model": "tiny", "max_tokens": 256, "temperature": 0.0, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": question}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]}),
+    "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 256, "temperature": 0.0, "system": "Be brief.",
+        "messages": [{"role": "user", "content": question}],
+        "tools": [{"name": "get_weather", "input_schema": schema}]}),
+    "responses": ("/v1/responses", {"model": "tiny", "max_output_tokens": 256, "temperature": 0.0,
+        "instructions": "Be brief.", "input": question,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": schema}]}),
+}
+bodies = {k: (path, json.dumps(body).encode()) for k, (path, body) in bodies.items()}
+clock = time.perf_counter
+
+def turn(name):
+    path, body = bodies[name]
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    return json.loads(conn.getresponse().read())
+
+chat, anth, resp = turn("chat"), turn("anthropic"), turn("responses")
+assert chat["choices"][0]["finish_reason"] == "tool_calls", chat
+assert anth["stop_reason"] == "tool_use" and anth["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"], anth
+assert resp["output"][-1]["type"] == "function_call", resp
+assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"], resp
+out = {"chat": [], "anthropic": [], "responses": []}
+for _ in range(n):
+    for name in ("chat", "anthropic", "chat", "responses"):
+        t0 = clock(); turn(name); out[name].append(clock() - t0)
+print(json.dumps(out))
+"""
+
+DIALECT_TARGET_RATIO = 1.1
+"""An Anthropic or a Responses turn's latency over the same Chat Completions turn, at most."""
+
+
+def dialects_vs_chat(served: LocalServer, n: int = 150) -> dict[str, float]:
+    out = json.loads(_sandbox(DIALECT_CLIENT, served.http_url, str(n)))
+    res = {f"{name}_p50_us": statistics.median(times) * 1e6 for name, times in out.items()}
+    # Each dialect turn ran right after a chat turn: the ratio of each adjacent pair, median.
+    chat_a, chat_r = out["chat"][0::2], out["chat"][1::2]
+    res["ratio_anthropic_over_chat"] = statistics.median(a / c for a, c in zip(out["anthropic"], chat_a))
+    res["ratio_responses_over_chat"] = statistics.median(r / c for r, c in zip(out["responses"], chat_r))
+    return res
+
+
+def test_anthropic_and_responses_turns_vs_chat_completions(record, rlengine_serve):
+    call = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    served = rlengine_serve(backend="scripted", model_name="tiny", serve={"ipc": False},
+                            engine_args={"script": [call]})
+    r = record(lambda: {**dialects_vs_chat(served), "target_ratio": DIALECT_TARGET_RATIO})
+    assert r["ratio_anthropic_over_chat"] <= DIALECT_TARGET_RATIO, r
+    assert r["ratio_responses_over_chat"] <= DIALECT_TARGET_RATIO, r
+
 # -- 256 sessions, 8 sandboxes, installs ---------------------------------------------------------------
 
 SOAK_SANDBOX = """
