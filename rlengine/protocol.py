@@ -225,6 +225,10 @@ class Choice(_Wire):
     only called tools); stop strings are not part of it (the tokens keep them, as sampled)."""
     tool_calls: list[ToolCallOut] | None = None
     """The tool calls the completion made (chat turns with tools), parsed from its text."""
+    top_ids_raw: bytes = b""
+    """With ``top_logprobs`` k > 0: k alternative token ids per token (int32), most likely first."""
+    top_logprobs_raw: bytes = b""
+    """Their logprobs (float32)."""
 
     @property
     def tokens(self) -> list[int]:

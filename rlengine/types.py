@@ -47,6 +47,7 @@ __all__ = [
     "TensorData",
     "UnloadModelResponse",
     "int32_bytes",
+    "unpack_top",
 ]
 
 StopReason = Literal["length", "stop", "abort"]
@@ -152,6 +153,10 @@ class ModelInput(_Public):
         return ModelInput(tokens_raw=self.tokens_raw + int32_bytes("ModelInput.tokens", tokens))
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most ``SamplingParams.top_logprobs`` may ask for (OpenAI's limit)."""
+
+
 class SamplingParams(_Public):
     """How to sample (Tinker: ``SamplingParams``).
 
@@ -169,6 +174,11 @@ class SamplingParams(_Public):
     ignore_eos: bool = False
     """Keep generating past the model's end-of-sequence token (benchmarks,
     tests); explicit ``stop`` ids and strings still apply. Not in Tinker."""
+    top_logprobs: int = 0
+    """Also record, for every sampled token, the ``top_logprobs`` most likely tokens
+    and their logprobs (0 to 20, OpenAI's limit; not in Tinker), from the same
+    distribution as the sampled token's logprob. Backends cap it
+    (``Capabilities.top_logprobs``)."""
     constraint: str | None = None
     """Constrained decoding (not in Tinker): an xgrammar structural tag as JSON
     text (``{"type": "structural_tag", "format": {...}}``, built by
@@ -197,6 +207,9 @@ class SamplingParams(_Public):
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
             raise InvalidRequest("seed", s, "must be an integer or None")
+        k = self.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", k, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         c = self.constraint
         if c is not None:
             if not isinstance(c, str) or not c.startswith("{"):
@@ -246,6 +259,10 @@ class SampledSequence(_Public):
     tokens_raw: bytes = b""
     logprobs_raw: bytes = b""
     versions_raw: bytes = b""
+    top_ids_raw: bytes = b""
+    """With ``SamplingParams.top_logprobs`` k > 0: k token ids per token (int32), most likely first."""
+    top_logprobs_raw: bytes = b""
+    """Their logprobs (float32), aligned with ``top_ids_raw``."""
 
     # No __post_init__ check: the engine builds these (one per finished
     # sequence, on the hot path) with equal lengths by construction, and
@@ -281,6 +298,23 @@ class SampledSequence(_Public):
     @property
     def length(self) -> int:
         return len(self.tokens_raw) // 4
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]]:
+        """Per token, its most likely alternatives as (token id, logprob); [] when not asked for."""
+        return unpack_top(self.tokens_raw, self.top_ids_raw, self.top_logprobs_raw)
+
+
+def unpack_top(tokens_raw: bytes, top_ids_raw: bytes, top_logprobs_raw: bytes) -> list[list[tuple[int, float]]]:
+    """The per-token alternatives that ``top_ids_raw`` / ``top_logprobs_raw`` hold, k per token."""
+    n = len(tokens_raw) // 4
+    if not n or not top_ids_raw:
+        return []
+    ids, lps = array("i"), array("f")
+    ids.frombytes(top_ids_raw)
+    lps.frombytes(top_logprobs_raw)
+    k = len(ids) // n
+    return [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(n)]
 
 
 class SampleResponse(_Public):

@@ -37,6 +37,8 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     stop_strings: bool = True
     constraints: bool = False
     """``SamplingParams.constraint`` (constrained decoding) is honoured."""
+    top_logprobs: int = 0
+    """The most ``SamplingParams.top_logprobs`` it reports (0: none)."""
     weight_install: bool = True
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""
@@ -74,6 +76,8 @@ class RequestOutput:
         "request_id",
         "stop_reason",
         "token_ids",
+        "top_ids",
+        "top_logprobs",
     )
 
     def __init__(
@@ -85,6 +89,8 @@ class RequestOutput:
         stop_reason: str | None = None,
         prompt_logprobs: list[float] | None = None,
         error: str | None = None,
+        top_ids: Any = None,
+        top_logprobs: Any = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -99,6 +105,10 @@ class RequestOutput:
         """Logprob of each prompt token after the first; on the first output only."""
         self.error = error
         """Set when the backend failed this request mid-generation (it is then finished)."""
+        self.top_ids = top_ids
+        """With ``params.top_logprobs`` k > 0: k ids per new token, flat, most likely first (a list or
+        an array('i')); ``top_logprobs`` their logprobs (a list or an array('f')). None otherwise."""
+        self.top_logprobs = top_logprobs
 
 
 @runtime_checkable

@@ -13,7 +13,9 @@ per-token versions and the session layer's exact traces.
 
 The logprob of every scripted token is 0.0: the script is certain (the
 probability the sampler used is 1), and that is what the trace records.
-Prompt logprobs are not computed: asking for them fails that request. A
+Prompt logprobs are not computed: asking for them fails that request;
+``top_logprobs`` is at most 1 (the scripted token, the only one with any
+probability). A
 request with a ``constraint`` gets the script only if the script's tokens
 match it (checked with the same xgrammar matcher the torch backend masks
 with, ``backends.grammar``); otherwise that request fails with
@@ -65,7 +67,7 @@ class ScriptedBackend:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=False, stop_strings=True, weight_install=True,
-                                         constraints=True,
+                                         constraints=True, top_logprobs=1,
                                          why_not_sleep="the scripted backend holds no accelerator memory")
         end = tokenizer.eos_token_id
         if not isinstance(end, int):
@@ -133,8 +135,11 @@ class ScriptedBackend:
             if seq.stream or finished:
                 first = 0 if finished and not seq.stream else seq.pos - 1
                 ids = seq.tokens[first:seq.pos]
-                outs.append(RequestOutput(rid, array("i", ids), array("f", [0.0] * len(ids)), finished,
-                                          "stop" if stop else "length" if finished else None))
+                out = RequestOutput(rid, array("i", ids), array("f", [0.0] * len(ids)), finished,
+                                    "stop" if stop else "length" if finished else None)
+                if p.top_logprobs:  # the only likely token is the scripted one
+                    out.top_ids, out.top_logprobs = list(ids), [0.0] * len(ids)
+                outs.append(out)
             if finished:
                 done.append(rid)
         for rid in done:

@@ -33,6 +33,7 @@ from typing import Any
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
 from rlengine.errors import ConfigurationError, InvalidRequest
+from rlengine.types import MAX_TOP_LOGPROBS
 
 __all__ = ["VLLMBackend", "build"]
 
@@ -87,7 +88,10 @@ class VLLMBackend:
             "vLLM sleep mode needs CUDA; unsupported on CPU" if not on_cuda
             else "vLLM was built without enable_sleep_mode=True")
         self.capabilities = Capabilities(sleep=sleep_ok, prompt_logprobs=True, stop_strings=True,
-                                         constraints=True, weight_install=True, why_not_sleep=why)
+                                         constraints=True, top_logprobs=MAX_TOP_LOGPROBS, weight_install=True,
+                                         why_not_sleep=why)
+        self._top: dict[str, int] = {}
+        """Request id -> how many alternatives per token it asked for (only those that did)."""
         model_config = engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
@@ -116,7 +120,7 @@ class VLLMBackend:
             stop=stop_strings or None,
             stop_token_ids=list(p.stop_token_ids) or None,
             ignore_eos=p.ignore_eos,
-            logprobs=0,
+            logprobs=p.top_logprobs,
             prompt_logprobs=0 if request.prompt_logprobs else None,
             detokenize=bool(stop_strings),
             output_kind=self._delta if request.stream else self._final,
@@ -124,12 +128,15 @@ class VLLMBackend:
                                 else self._structured_cls(structural_tag=p.constraint)),
         )
         prompt = self._prompt_cls(prompt_token_ids=memoryview(request.prompt).cast("i").tolist())
+        if p.top_logprobs:
+            self._top[request.request_id] = p.top_logprobs
         if p.constraint is None:
             self._engine.add_request(request.request_id, prompt, params)
             return
         try:
             self._engine.add_request(request.request_id, prompt, params)
         except self._refusals as exc:  # vLLM validates (compiles) the structural tag here
+            self._top.pop(request.request_id, None)
             causes, cause = [str(exc)], exc.__cause__ or exc.__context__
             while cause is not None and len(causes) < 4:
                 causes.append(str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__)
@@ -139,6 +146,8 @@ class VLLMBackend:
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
+        for rid in ids:
+            self._top.pop(rid, None)
         if ids:
             self._engine.abort_request(ids)
 
@@ -153,10 +162,17 @@ class VLLMBackend:
             # One {token_id: Logprob} dict per sampled token; the sampled one is always in it.
             logprobs = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs or ())]
             out = RequestOutput(ro.request_id, tokens, logprobs)
+            k = self._top.get(ro.request_id)
+            if k:  # the dict also holds the top k, ranked 1..k (the sampled token may be among them or not)
+                ranked = [sorted((v.rank, t, v.logprob) for t, v in lp.items() if v.rank <= k)[:k]
+                          for lp in completion.logprobs or ()]
+                out.top_ids = [t for row in ranked for _, t, _ in row]
+                out.top_logprobs = [v for row in ranked for _, _, v in row]
             if ro.prompt_logprobs is not None and ro.prompt_token_ids is not None:
                 out.prompt_logprobs = [lp[t].logprob for t, lp in
                                        zip(ro.prompt_token_ids[1:], ro.prompt_logprobs[1:])]
             if ro.finished:
+                self._top.pop(ro.request_id, None)
                 out.finished = True
                 reason = completion.finish_reason
                 if reason not in ("length", "stop"):

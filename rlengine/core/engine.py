@@ -407,6 +407,10 @@ class Engine:
             raise InvalidRequest("sampling_params", type(params).__name__, "must be a SamplingParams")
         if params.stop is not None and params.stop_strings and not self.backend.capabilities.stop_strings:
             raise InvalidRequest("sampling_params.stop", params.stop, f"backend {self.backend.name} has no stop strings")
+        if params.top_logprobs > self.backend.capabilities.top_logprobs:
+            raise InvalidRequest("sampling_params.top_logprobs", params.top_logprobs,
+                                 f"backend {self.backend.name} reports at most "
+                                 f"{self.backend.capabilities.top_logprobs}")
         if params.constraint is not None and not self.backend.capabilities.constraints:
             raise InvalidRequest("sampling_params.constraint", params.constraint[:60],
                                  f"backend {self.backend.name} has no constrained decoding")

@@ -129,6 +129,9 @@ class Sequence(msgspec.Struct, gc=False):
     seed: int
     tokens: array | None = None
     logprobs: array | None = None
+    top_ids: array | None = None
+    """With ``top_logprobs`` k > 0: k alternatives per token (ids, then their logprobs)."""
+    top_logprobs: array | None = None
     version: int | None = None
     """The version of the latest tokens."""
     spans: list[tuple[int, int]] | None = None
@@ -140,10 +143,15 @@ class Sequence(msgspec.Struct, gc=False):
     def length(self) -> int:
         return 0 if self.tokens is None else len(self.tokens)
 
-    def add(self, token_ids: Any, logprobs: Any, version: int) -> None:
+    def add(self, token_ids: Any, logprobs: Any, version: int, top_ids: Any = None, top_logprobs: Any = None) -> None:
         """Append a report. A first report of int32 / float32 arrays (what backends
         that report once, finished, hand over: ``RequestOutput.token_ids``) is
         taken over without a copy."""
+        if top_ids is not None:
+            if self.top_ids is None:
+                self.top_ids, self.top_logprobs = array("i"), array("f")
+            self.top_ids.extend(top_ids)
+            self.top_logprobs.extend(top_logprobs)  # type: ignore[union-attr]
         if self.tokens is None:
             if type(token_ids) is array and token_ids.typecode == "i" and type(logprobs) is array \
                     and logprobs.typecode == "f":
@@ -174,5 +182,10 @@ class Sequence(msgspec.Struct, gc=False):
         if self.tokens is None:
             return SampledSequence(stop_reason=stop_reason)
         assert self.logprobs is not None
+        if self.top_ids is None:
+            return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
+                                   logprobs_raw=self.logprobs.tobytes(), versions_raw=self._versions_raw())
+        assert self.top_logprobs is not None
         return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
-                               logprobs_raw=self.logprobs.tobytes(), versions_raw=self._versions_raw())
+                               logprobs_raw=self.logprobs.tobytes(), versions_raw=self._versions_raw(),
+                               top_ids_raw=self.top_ids.tobytes(), top_logprobs_raw=self.top_logprobs.tobytes())

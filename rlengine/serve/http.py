@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 from array import array
 from typing import Any
@@ -66,7 +67,7 @@ from rlengine.render import TextStream
 from rlengine.serve import anthropic, responses
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
 from rlengine.serve.sessions import Session, SessionManager, ToolUse, TurnResult
-from rlengine.types import SamplingParams
+from rlengine.types import SamplingParams, unpack_top
 
 __all__ = ["ChatCompletionRequest", "HttpServer"]
 
@@ -180,12 +181,13 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     for field in ("presence_penalty", "frequency_penalty"):
         if getattr(req, field) not in (None, 0, 0.0):
             raise Unsupported(f"{field}={getattr(req, field)!r}: penalties are not supported")
-    if req.top_logprobs not in (None, 0):
-        raise Unsupported(f"top_logprobs={req.top_logprobs!r}: only the sampled token's logprob is returned")
+    if req.top_logprobs not in (None, 0) and not req.logprobs:
+        raise InvalidRequest("top_logprobs", req.top_logprobs, "needs logprobs: true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-                          seed=req.seed, stop=req.stop or None, ignore_eos=req.ignore_eos)
+                          seed=req.seed, stop=req.stop or None, ignore_eos=req.ignore_eos,
+                          top_logprobs=req.top_logprobs or 0)
 
 
 def _error(exc: BaseException, anthropic: bool = False) -> web.Response:
@@ -461,11 +463,15 @@ class HttpServer:
         renderer = self.sessions.renderer
         assert renderer is not None
         tokens, lps = array("i", choice.tokens_raw).tolist(), array("f", choice.logprobs_raw).tolist()
-        content = []
-        for t, lp in zip(tokens, lps):
-            text = renderer.decode([t], skip_special=False)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-        return {"content": content}
+        tops = unpack_top(choice.tokens_raw, choice.top_ids_raw, choice.top_logprobs_raw) or [[]] * len(tokens)
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = renderer.decode([token], skip_special=False)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        # Tokens a constraint masked out have logprob -inf, which JSON cannot carry: they are left out.
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top if alp != -math.inf]}
+                            for t, lp, top in zip(tokens, lps, tops)]}
 
     async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
                       affinity: str | None, messages: list[dict[str, Any]], params: SamplingParams,

@@ -388,7 +388,8 @@ class SessionManager:
     @staticmethod
     def _choice(seq: Any, content: str | None, calls: list[ToolCall] | None) -> Choice:
         return Choice(stop_reason=seq.stop_reason, tokens_raw=seq.tokens_raw, logprobs_raw=seq.logprobs_raw,
-                      versions_raw=seq.versions_raw, text=content,
+                      versions_raw=seq.versions_raw, top_ids_raw=seq.top_ids_raw,
+                      top_logprobs_raw=seq.top_logprobs_raw, text=content,
                       tool_calls=[ToolCallOut(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
                       if calls else None)
 

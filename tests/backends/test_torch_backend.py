@@ -540,3 +540,23 @@ def test_pause_policy_continues_a_request_on_new_weights_with_the_same_tokens(mo
     switch = seq.versions.index(1)
     assert 0 < switch < 400 and seq.versions == [0] * switch + [1] * (400 - switch)
     np.testing.assert_allclose(seq.logprobs, reference.logprobs, atol=1e-5)
+
+
+def test_top_logprobs_are_the_hf_forward_passes_most_likely_tokens(engine, hf_model):
+    prompt = PROMPTS[1]
+    seq = engine.sampling_client().sample(prompt, 1, rle.SamplingParams(
+        max_tokens=12, temperature=1.0, seed=5, top_logprobs=5)).result(WAIT).sequences[0]
+    top = seq.top_logprobs
+    assert len(top) == seq.length and all(len(row) == 5 for row in top)
+    reference = hf_logits(hf_model, prompt + seq.tokens)[len(prompt) - 1:-1].log_softmax(-1).topk(5, dim=-1)
+    for row, values, ids in zip(top, reference.values.tolist(), reference.indices.tolist()):
+        assert [t for t, _ in row] == ids
+        np.testing.assert_allclose([lp for _, lp in row], values, atol=1e-5)
+    # The sampled token's own logprob is where it ranks among them (when it does).
+    for token, lp, row in zip(seq.tokens, seq.logprobs, top):
+        if token in dict(row):
+            assert abs(dict(row)[token] - lp) < 1e-6
+    plain = engine.sampling_client().sample(prompt, 1, rle.SamplingParams(max_tokens=4)).result(WAIT).sequences[0]
+    assert plain.top_logprobs == [] and plain.top_ids_raw == b""
+    with pytest.raises(InvalidRequest, match="top_logprobs"):
+        rle.SamplingParams(top_logprobs=21)

@@ -70,6 +70,17 @@ def test_constrained_decoding_equals_the_torch_backends(engines):
                                              ).result(WAIT)
 
 
+def test_top_logprobs_equal_the_torch_backends(engines):
+    vllm_engine, torch_engine = engines
+    params = rle.SamplingParams(max_tokens=6, temperature=0.0, top_logprobs=4, ignore_eos=True)
+    for v, t in zip(sample_all(vllm_engine, params), sample_all(torch_engine, params)):
+        vt, tt = v.sequences[0].top_logprobs, t.sequences[0].top_logprobs
+        assert len(vt) == len(tt) == 6 and all(len(row) == 4 for row in vt)
+        assert [[i for i, _ in row] for row in vt] == [[i for i, _ in row] for row in tt]
+        np.testing.assert_allclose([[lp for _, lp in row] for row in vt], [[lp for _, lp in row] for row in tt],
+                                   atol=1e-4)
+
+
 def test_sampled_logprobs_equal_trainer_forward(engines):
     vllm_engine, _ = engines
     params = rle.SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)

@@ -225,3 +225,16 @@ def test_response_format_json_schema_forces_json(served, client):
     script(served, FORCED)  # with auto tools a JSON response may instead be a tool call
     either = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], response_format=fmt)
     assert either.choices[0].finish_reason == "tool_calls"
+
+
+def test_top_logprobs_within_the_backends_limit(served, client):
+    script(served, "fine")
+    resp = client.chat.completions.create(model="tiny", messages=USER, logprobs=True, top_logprobs=1)
+    entries = resp.choices[0].logprobs.content
+    assert [e.token for e in entries][:-1] == [e.top_logprobs[0].token for e in entries][:-1]
+    assert all(len(e.top_logprobs) == 1 and e.top_logprobs[0].logprob == 0.0 for e in entries)
+    for kwargs, field in [({"logprobs": True, "top_logprobs": 2}, "sampling_params.top_logprobs"),
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                          ({"top_logprobs": 1}, "top_logprobs")]:
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.chat.completions.create(model="tiny", messages=USER, **kwargs)

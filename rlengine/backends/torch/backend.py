@@ -50,6 +50,7 @@ from rlengine.backends.torch.decoder import DecoderRunner
 from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
 from rlengine.backends.torch.sampling import StopText, sample_tokens
 from rlengine.errors import ConfigurationError, InvalidRequest
+from rlengine.types import MAX_TOP_LOGPROBS
 
 __all__ = ["TorchBackend", "build"]
 
@@ -72,7 +73,10 @@ class _Seq:
         "stream",
         "temperature",
         "tokens",
+        "top",
+        "top_ids",
         "top_k",
+        "top_logprobs",
         "top_p",
         "want_prompt_logprobs",
     )
@@ -98,6 +102,10 @@ class _Seq:
         self.stop_ids = (frozenset() if p.ignore_eos else eos) | frozenset(p.stop_token_ids)
         self.stop_text = StopText(tokenizer, p.stop_strings) if p.stop_strings else None
         self.constrained = constrained
+        self.top = int(p.top_logprobs)
+        """How many alternatives to record per token (``top_ids`` / ``top_logprobs``, k each, flat)."""
+        self.top_ids: list[int] = []
+        self.top_logprobs: list[float] = []
         self.want_prompt_logprobs = req.prompt_logprobs
         self.prompt_logprobs: list[float] | None = None
         """Computed at prefill; handed out with the first output."""
@@ -139,7 +147,7 @@ class TorchBackend:
         why = ("CPU: there is no accelerator memory to release" if self.device.type == "cpu" else
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
-                                         constraints=self.tokenizer is not None,
+                                         constraints=self.tokenizer is not None, top_logprobs=MAX_TOP_LOGPROBS,
                                          weight_install=True, why_not_sleep=why)
         # Every name a weight install may use (tied aliases included) and the
         # canonical parameter each one lands in.
@@ -265,6 +273,10 @@ class TorchBackend:
                 top_p=torch.as_tensor([s.top_p for s in seqs], device=device))
         else:
             tokens, logprobs = sample_tokens(logits, generators)
+        top = max(s.top for s in seqs)
+        if top:  # the alternatives, from the distribution the token was drawn from (masked if constrained)
+            top_lps, top_ids = logits.log_softmax(-1).topk(top, dim=-1)
+            top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if prompt_lps[i] is not None:
                 seq.prompt_logprobs = prompt_lps[i]
@@ -286,6 +298,9 @@ class TorchBackend:
                 continue
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
+            if seq.top:
+                seq.top_ids.extend(top_ids[i][:seq.top])
+                seq.top_logprobs.extend(top_lps[i][:seq.top])
             stop = token in seq.stop_ids or (seq.stop_text is not None and seq.stop_text.feed(seq.tokens))
             done = stop or len(seq.tokens) >= seq.max_tokens
             if done or seq.stream:
@@ -301,6 +316,9 @@ class TorchBackend:
         """An output with the tokens not yet reported (and the prompt logprobs, once)."""
         start, seq.reported = seq.reported, len(seq.tokens)
         out = RequestOutput(seq.rid, seq.tokens[start:], seq.logprobs[start:], prompt_logprobs=seq.prompt_logprobs)
+        if seq.top:
+            out.top_ids = seq.top_ids[start * seq.top:]
+            out.top_logprobs = seq.top_logprobs[start * seq.top:]
         seq.prompt_logprobs = None
         return out
 
