@@ -8,7 +8,9 @@ A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding
 * ``loop.json`` - the ``LoopState``: step, policy updates, the dataset
   cursor, the groups issued but not yet consumed (re-issued first on
   resume, so no group is trained twice or skipped), and the global RNG
-  states (Python, numpy, torch when loaded) for environments that draw from them.
+  states (Python, numpy, torch when loaded) for environments that draw from
+  them, as plain JSON (numbers, and torch's state bytes in base64): nothing
+  on a checkpoint path is pickled, and a resumed run restores them.
 
 It is written as ``.step-NNNNNN.tmp-*`` and renamed into place; the file
 ``checkpoints/latest`` names the newest complete one and is replaced
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import os
-import pickle
 import random
 import shutil
 import sys
@@ -40,7 +41,9 @@ from rlengine.rl.metrics import replace_file
 __all__ = ["Checkpointer", "LoopState", "PendingGroup", "capture_rng", "restore_rng", "rewind_jsonl"]
 
 _LATEST = "latest"
-_FORMAT = "rlengine-rl-checkpoint-1"
+_FORMAT = "rlengine-rl-checkpoint-2"
+_PICKLED_FORMAT = "rlengine-rl-checkpoint-1"
+"""Format 1 held pickled RNG states; such checkpoints are refused, never unpickled."""
 
 
 class PendingGroup(msgspec.Struct, array_like=True, frozen=True):
@@ -61,31 +64,43 @@ class LoopState(msgspec.Struct, kw_only=True, frozen=True):
     cursor: int
     """The next global builder index the dataloader will issue."""
     pending: list[PendingGroup]
-    rng: dict[str, str]
-    """Pickled global RNG states, base64."""
+    rng: dict[str, Any]
+    """The global RNG states (``capture_rng``): JSON values."""
     elapsed_s: float
     """Training wall time before this checkpoint (the resumed run's clock continues from it)."""
 
 
-def capture_rng() -> dict[str, str]:
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
+def capture_rng() -> dict[str, Any]:
+    """The global RNG states as JSON values: Python's and numpy's Mersenne Twister state
+    (its numbers), torch's CPU generator state (its bytes, base64) when torch is loaded."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states: dict[str, Any] = {"python": [version, list(internal), gauss],
+                              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     torch = sys.modules.get("torch")
     if torch is not None:
-        states["torch"] = torch.get_rng_state()
-    return {k: base64.b64encode(pickle.dumps(v)).decode() for k, v in states.items()}
+        states["torch"] = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    return states
 
 
-def restore_rng(states: dict[str, str]) -> None:
-    for name, blob in states.items():
-        value = pickle.loads(base64.b64decode(blob))
-        if name == "python":
-            random.setstate(value)
-        elif name == "numpy":
-            np.random.set_state(value)
-        elif name == "torch":
-            import torch
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set the global RNG states ``capture_rng`` returned; ``CheckpointError`` for a malformed one."""
+    try:
+        for name, value in states.items():
+            if name == "python":
+                version, internal, gauss = value
+                random.setstate((version, tuple(internal), gauss))
+            elif name == "numpy":
+                kind, keys, pos, has_gauss, cached = value
+                np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+            elif name == "torch":
+                import torch
 
-            torch.set_rng_state(value)
+                torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(value)), dtype=torch.uint8))
+            else:
+                raise ValueError(f"unknown generator {name!r}")
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"loop.json: malformed RNG state: {exc}") from None
 
 
 class Checkpointer:
@@ -140,6 +155,9 @@ class Checkpointer:
                 state = msgspec.json.decode(f.read(), type=LoopState)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise CheckpointError(f"checkpoint {path!r} (named by {pointer!r}) is unreadable: {exc}") from None
+        if state.format == _PICKLED_FORMAT:
+            raise CheckpointError(f"checkpoint {path!r}: format {state.format!r} holds pickled RNG states, which "
+                                  "rlengine no longer loads (no pickle on checkpoint paths); start a new run")
         if state.format != _FORMAT:
             raise CheckpointError(f"checkpoint {path!r}: format {state.format!r}, expected {_FORMAT!r}")
         return path, state

@@ -57,7 +57,7 @@ from typing import Any
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
-from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng
+from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng, restore_rng
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.errors import DataExhausted, RunInterrupted, StageTimeout
 from rlengine.rl.metrics import RunLog, reward_stats
@@ -177,6 +177,7 @@ class TrainingRun:
         self._clock0 = time.monotonic() - self._elapsed0
         if self.resume is not None:
             await self._call(self.training.load_state(f"{self.resume[0]}/trainer"))
+            restore_rng(self.resume[1].rng)
         self._v0 = (await self._call(self.training.save_weights_for_sampler())).version
         self.sampler = self.engine.sampling_client()
         self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)

@@ -19,6 +19,7 @@ import pytest
 from rlengine.errors import ConfigurationError
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng, restore_rng, rewind_jsonl
 from rlengine.rl.config import TrainConfig, parse_overrides
+from rlengine.rl.errors import CheckpointError
 from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.plot import DEFAULT_TITLE, HEIGHT_PX, WIDTH_PX, reward_figure, write_reward_png
 from rlengine.rl.recipes import load_recipe
@@ -143,13 +144,42 @@ def test_checkpoints_commit_atomically_and_prune(tmp_path):
     assert ckpt.latest()[1].step == 6
 
 
-def test_rng_states_round_trip():
+def test_rng_states_round_trip_through_json_without_pickle():
+    import json
     import random
 
-    saved = capture_rng()
-    a = (random.random(), np.random.random())
+    import torch
+
+    saved = json.loads(json.dumps(capture_rng()))  # what loop.json holds: plain JSON, no pickle
+    assert set(saved) == {"python", "numpy", "torch"} and isinstance(saved["python"][1], list)
+    a = (random.random(), np.random.random(), np.random.normal(), torch.rand(3).tolist())
     restore_rng(saved)
-    assert (random.random(), np.random.random()) == a
+    assert (random.random(), np.random.random(), np.random.normal(), torch.rand(3).tolist()) == a
+    with pytest.raises(CheckpointError, match="RNG state"):
+        restore_rng({"python": "gASV"})  # a base64 pickle, as format 1 stored it: refused, never unpickled
+
+
+def test_a_checkpoint_with_pickled_rng_states_is_refused(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    path = ckpt.commit(ckpt.staging_dir(2), state(2))
+    loop_json = os.path.join(path, "loop.json")
+    with open(loop_json) as f:
+        text = f.read()
+    with open(loop_json, "w") as f:
+        f.write(text.replace("rlengine-rl-checkpoint-2", "rlengine-rl-checkpoint-1"))
+    with pytest.raises(CheckpointError, match="pickled"):
+        ckpt.latest()
+
+
+def test_a_resumed_run_restores_the_rng_states_of_its_checkpoint(tmp_path, monkeypatch):
+    import rlengine.rl.loop as loop_module
+
+    assert train("rl_sim:RECIPE", {"batches": "2", "checkpoint_every": "1"}, run_dir=str(tmp_path)).error is None
+    restored = []
+    monkeypatch.setattr(loop_module, "restore_rng", lambda states: restored.append(states))
+    train(None, {"steps": "3"}, run_dir=str(tmp_path), resume=True)
+    _, state_2 = Checkpointer(str(tmp_path), keep=2).latest()
+    assert restored == [state_2.rng]
 
 
 def test_rewind_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
