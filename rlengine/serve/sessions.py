@@ -197,8 +197,10 @@ class SessionManager:
         """A new session with a fresh token; ``session_id`` None picks an unguessable id."""
         if session_id is None:
             session_id = f"s-{secrets.token_hex(12)}"
-        elif not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
-            raise InvalidRequest("session_id", session_id, "must be 1-128 characters of [A-Za-z0-9._:@-]")
+        elif not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id) or not session_id.strip("."):
+            # Only dots ("." and "..") would name path segments in URLs and run directories.
+            raise InvalidRequest("session_id", session_id, "must be 1-128 characters of [A-Za-z0-9._:@-], "
+                                 "not only dots")
         if session_id in self._retired or self.router.is_gone(session_id):
             raise SessionGone(f"session_id={session_id!r}: a session with this id was retired; ids are not reused")
         if session_id in self._live or session_id in self.store:

@@ -62,7 +62,8 @@ class CheckpointPath(NamedTuple):
 
 
 def check_name(field: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    # fullmatch: ``$`` also matches before a final newline, so ``match`` let "name\n" through.
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise InvalidRequest(field, name, "checkpoint names are 1-128 characters of A-Z a-z 0-9 . _ - "
                              "(starting with a letter or digit)")
     return name
@@ -77,7 +78,7 @@ def parse_path(field: str, uri: str) -> CheckpointPath:
     if not isinstance(uri, str) or not uri.startswith("tinker://"):
         raise InvalidRequest(field, uri, "must be a tinker:// checkpoint path")
     parts = uri[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in _KINDS or not _MODEL_ID.match(parts[0]):
+    if len(parts) != 3 or parts[1] not in _KINDS or not _MODEL_ID.fullmatch(parts[0]):
         raise InvalidRequest(field, uri, "must look like tinker://<model_id>/weights/<name> or "
                              "tinker://<model_id>/sampler_weights/<name>")
     return CheckpointPath(parts[0], parts[1], check_name(field, parts[2]))

@@ -412,3 +412,11 @@ def test_recording_a_turn_runs_outside_the_samplers_settlement_chain(sim):
     assert recorded.count("append_turn") == (1 + 2) + (1 + 1)  # each turn's prompt, then its samples
     assert "render" in recorded and "encode" in recorded and "decode" in recorded
     assert [c for c in calls if c[1]] == []
+
+
+@pytest.mark.parametrize("bad", [".", "..", "...", "a b", "x" * 129, ""])
+def test_session_ids_that_are_only_dots_or_out_of_the_alphabet_are_refused(sim, bad):
+    with pytest.raises(rle.InvalidRequest, match="session_id"):
+        sim.on_loop(sim.sessions.open, bad)
+    good = f"a.{len(bad)}.{bad.count(' ')}"
+    assert sim.on_loop(sim.sessions.open, good).session_id == good

@@ -291,3 +291,14 @@ def test_the_sim_backend_samples_but_does_not_train(engine_config, ckpt_dir):
             assert [len(s["tokens"]) for s in result(server.url, rid)["sequences"]] == [5]
         finally:
             server.close()
+
+
+@pytest.mark.parametrize("name", ["step-1\n", "ok\n", "..", "a/b", "-x"])
+def test_checkpoint_names_with_a_trailing_newline_or_a_path_are_refused(name):
+    from rlengine.tinker_api.checkpoints import check_name, parse_path
+
+    with pytest.raises(rle.InvalidRequest):
+        check_name("path", name)
+    with pytest.raises(rle.InvalidRequest):
+        parse_path("path", "tinker://model-1\n/weights/ok")
+    assert check_name("path", "step-1") == "step-1"
