@@ -32,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import stat
 import tempfile
+import time
 from collections import deque
 from typing import Any
 
@@ -290,6 +292,56 @@ class _Connection(asyncio.Protocol):
         self._serve_held()
 
 
+_DIR_PREFIX = "rlengine-ipc-"
+
+
+def _is_dead_socket(path: str) -> bool:
+    """``path`` is a unix socket nobody listens on (its server died without removing it)."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False  # a live but busy server, or no permission: not ours to remove
+    finally:
+        probe.close()
+    return False
+
+
+def _sweep_dead_dirs() -> None:
+    """Remove this user's private IPC directories whose server is gone (killed before ``close``)."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        directory = os.path.join(root, name)
+        try:
+            if os.lstat(directory).st_uid != os.getuid() or not stat.S_ISDIR(os.lstat(directory).st_mode):
+                continue
+            entries = os.listdir(directory)
+            if entries not in ([], ["engine.sock"]):
+                continue
+            if not entries and time.time() - os.lstat(directory).st_mtime < 60:
+                continue  # perhaps a server between making its directory and binding
+            sock = os.path.join(directory, "engine.sock")
+            if entries and not _is_dead_socket(sock):
+                continue
+            if entries:
+                os.unlink(sock)
+            os.rmdir(directory)
+        except OSError:
+            continue  # raced with its owner, or not ours
+
+
 class IpcServer:
     """Listens on a unix socket on the running loop and serves ``SessionManager`` requests."""
 
@@ -307,9 +359,14 @@ class IpcServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, path: str | None = None) -> str:
-        """Listen at ``path`` (None: a new private directory); returns the socket path."""
+        """Listen at ``path`` (None: a new private directory); returns the socket path.
+
+        A socket file left by a server that died without cleaning up (SIGKILL)
+        is replaced; one a live server listens on is refused. Private
+        directories of such dead servers are removed when a new one is made."""
         if path is None:
-            self._made_dir = tempfile.mkdtemp(prefix="rlengine-ipc-")  # mode 0700
+            _sweep_dead_dirs()
+            self._made_dir = tempfile.mkdtemp(prefix=_DIR_PREFIX)  # mode 0700
             path = os.path.join(self._made_dir, "engine.sock")
         else:
             path = os.path.abspath(path)
@@ -321,8 +378,12 @@ class IpcServer:
             if mode & 0o077:
                 raise ConfigurationError(f"socket_path={path!r}: its directory has mode {mode:o}; it must be "
                                          "0700 (only the engine's user may reach the socket)")
-            if os.path.exists(path):
-                raise ConfigurationError(f"socket_path={path!r}: the file exists (another server, or a stale one)")
+            if os.path.lexists(path):
+                if not _is_dead_socket(path):
+                    raise ConfigurationError(f"socket_path={path!r}: the file exists and is not the socket of a "
+                                             "dead server (another server listens on it, or it is not a socket)")
+                log.warning("rlengine.serve: replacing the stale socket %s (its server is gone)", path)
+                os.unlink(path)
         if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
             raise ConfigurationError(f"socket_path={path!r}: longer than {_MAX_SOCKET_PATH} bytes (unix limit)")
         loop = asyncio.get_running_loop()

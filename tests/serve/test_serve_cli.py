@@ -134,3 +134,35 @@ def test_tinker_settings_need_the_flag_and_known_fields():
                           capture_output=True, text=True, timeout=WAIT, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 2 and "need --tinker" in proc.stderr
+
+
+def test_after_sigkill_serve_restarts_on_the_same_socket_path_and_dead_private_dirs_are_swept(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    path = str(private / "engine.sock")
+    proc, _ = start("backend=sim", "http=false", f"socket_path={path}")
+    proc.kill()  # SIGKILL: no cleanup, the socket file stays
+    proc.communicate(timeout=30)
+    assert os.path.exists(path)
+    # A second server refuses the path while the first one lives, and replaces it once it is dead.
+    again, _ = start("backend=sim", "http=false", f"socket_path={path}")
+    try:
+        with Client(path, timeout=WAIT) as client:
+            assert client.ping(b"x") == b"x"
+        clash = subprocess.run([sys.executable, "-m", "rlengine.serve.cli", "backend=sim", "http=false",
+                                f"socket_path={path}"], check=False, capture_output=True, text=True, timeout=WAIT,
+                               env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+        assert clash.returncode != 0 and "another server listens" in clash.stderr
+    finally:
+        assert stop(again, signal.SIGTERM)[0] == 0
+    # A default (private temporary) directory left by a killed server is removed by the next server.
+    killed, addresses = start("backend=sim", "http=false")
+    stale_dir = os.path.dirname(addresses["ipc"])
+    killed.kill()
+    killed.communicate(timeout=30)
+    assert os.path.isdir(stale_dir)
+    fresh, _ = start("backend=sim", "http=false")
+    try:
+        assert not os.path.exists(stale_dir)
+    finally:
+        stop(fresh, signal.SIGTERM)
