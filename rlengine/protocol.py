@@ -378,11 +378,16 @@ Reply = Pong | SessionOpened | TurnReply | TraceReply | Ack | Error
 
 # -- framing -----------------------------------------------------------------------------
 
-def frame(encoder: msgspec.msgpack.Encoder, message: msgspec.Struct) -> bytearray:
-    """``message`` encoded as one frame (header + body), in one buffer."""
+def frame(encoder: msgspec.msgpack.Encoder, message: msgspec.Struct, max_frame: int | None = None) -> bytearray:
+    """``message`` encoded as one frame (header + body), in one buffer; ``FrameTooLarge`` when the
+    body exceeds ``max_frame`` (the peer's limit), before a byte is sent."""
     buf = bytearray(HEADER.size)
     encoder.encode_into(message, buf, HEADER.size)
-    HEADER.pack_into(buf, 0, len(buf) - HEADER.size)
+    size = len(buf) - HEADER.size
+    if max_frame is not None and size > max_frame:
+        raise FrameTooLarge(f"{type(message).__name__} of {size} bytes exceeds the frame limit of {max_frame} "
+                            "bytes (max_frame); nothing was sent")
+    HEADER.pack_into(buf, 0, size)
     return buf
 
 

@@ -145,6 +145,8 @@ class Client:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self._reader = FrameReader(max_frame)
+        self.max_frame = max_frame
+        """The most bytes one frame may hold, both ways (the server's ``max_frame``, 16 MiB by default)."""
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._ids = itertools.count(1)
@@ -169,8 +171,9 @@ class Client:
             if sock is None:
                 raise ConnectionLost(f"the connection to {self.path!r} is closed")
             message.id = next(self._ids)
+            data = frame(self._encoder, message, self.max_frame)  # too large: refused, the connection kept
             try:
-                sock.sendall(frame(self._encoder, message))
+                sock.sendall(data)
                 return self._receive(sock, message.id)
             except (OSError, ServeError) as exc:
                 # After a timeout or a broken frame the stream's state is unknown:
@@ -288,6 +291,8 @@ class AsyncClient:
         self.path = path
         self.timeout = timeout
         self._reader = FrameReader(max_frame)
+        self.max_frame = max_frame
+        """The most bytes one frame may hold, both ways (the server's ``max_frame``, 16 MiB by default)."""
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._ids = itertools.count(1)
@@ -360,9 +365,10 @@ class AsyncClient:
         if transport is None:
             raise ConnectionLost(f"the connection to {self.path!r} is closed")
         message.id = request_id = next(self._ids)
+        data = frame(self._encoder, message, self.max_frame)  # too large: refused, the connection kept
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = fut
-        transport.write(frame(self._encoder, message))
+        transport.write(data)
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:

@@ -19,6 +19,7 @@ import time
 from array import array
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -218,6 +219,30 @@ def test_oversize_and_empty_frames_get_an_error_and_a_clean_close(served, header
         raw.close()
     with Client(served.ipc_path, timeout=WAIT) as c:
         assert c.ping(b"ok") == b"ok"
+
+
+def test_a_request_over_the_frame_limit_is_a_typed_error_and_the_connection_survives(served):
+    # 5 M tokens (20 MB raw): sending it would end in a broken pipe when the server cuts
+    # the connection at the header; the client refuses it first, with the limit named.
+    big = np.arange(5_000_000, dtype=np.int32).tobytes()
+    with Client(served.ipc_path, timeout=WAIT) as c:
+        session = c.open_session()
+        with pytest.raises(p.FrameTooLarge, match="max_frame"):
+            session.generate(big, max_tokens=1)
+        assert c.ping(b"still") == b"still"
+        assert session.generate([1, 2, 3], max_tokens=2).choices[0].stop_reason == "length"
+
+    async def run() -> None:
+        client = await AsyncClient.connect(served.ipc_path, timeout=WAIT)
+        try:
+            session = await client.open_session()
+            with pytest.raises(p.FrameTooLarge, match="max_frame"):
+                await session.generate(big, max_tokens=1)
+            assert await client.ping(b"async") == b"async"
+        finally:
+            await client.close()
+
+    asyncio.run(run())
 
 
 def test_truncated_frames_and_abrupt_disconnects_do_not_disturb_others(served):
