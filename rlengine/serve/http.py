@@ -26,6 +26,8 @@ Endpoints:
   ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
   chat/completions``, ``messages``, ``responses`` and ``GET models`` there
   are that session's),
+  ``GET /v1/admin/leases`` (turns with an unknown outcome, per replica) and
+  ``POST /v1/admin/leases/{replica}/{lease_id}/write_off`` for operators;
   ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
   (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
   session's token.
@@ -39,9 +41,11 @@ the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a retired
 session is 410 Gone.
 
 Handler cancellation is on: a client that disconnects mid-generation
-cancels its handler, which abandons the turn (its lease stays unknown,
-poisoning the gate until settled). Bodies are decoded by one typed msgspec
-JSON decoder; anything it rejects is a 400 naming the field.
+cancels its handler, which abandons the turn: a turn none of whose output
+was sent is aborted; one that streamed some is an unknown outcome, resolved
+by the session layer's policy (``SessionManager.abandon``). Bodies are
+decoded by one typed msgspec JSON decoder; anything it rejects is a 400
+naming the field.
 
 This module translates HTTP to the session layer; it never creates a loop,
 and must not block the loop it runs on.
@@ -237,6 +241,9 @@ class HttpServer:
             web.delete("/v1/sessions/{session_id}", self.close_session),
             web.post("/v1/sessions/{session_id}/reward", self.reward),
             web.get("/v1/sessions/{session_id}/trace", self.trace),
+            # Operators (behind the server's API key): unknown outcomes, and writing one off now.
+            web.get("/v1/admin/leases", self.leases),
+            web.post("/v1/admin/leases/{replica}/{lease_id}/write_off", self.write_off_lease),
         ])
         self._runner: web.AppRunner | None = None
 
@@ -366,13 +373,24 @@ class HttpServer:
         self.sessions.reward(session, body.value)
         return self._json({"session_id": session.session_id, "ok": True})
 
+    async def leases(self, request: web.Request) -> web.Response:
+        return self._json({"unknown": self.sessions.unknown_leases()})
+
+    async def write_off_lease(self, request: web.Request) -> web.Response:
+        try:
+            replica, lease_id = int(request.match_info["replica"]), int(request.match_info["lease_id"])
+        except ValueError:
+            raise InvalidRequest("lease", request.match_info["lease_id"], "replica and lease id are integers") from None
+        await self.sessions.write_off_lease(replica, lease_id)
+        return self._json({"replica": replica, "lease_id": lease_id, "written_off": True})
+
     async def trace(self, request: web.Request) -> web.Response:
         trace = self.sessions.trace(self._path_session(request))
 
         def ints(raw: bytes, code: str) -> list[Any]:
             return array(code, raw).tolist()
 
-        return self._json({"session_id": trace.session_id, "turns": trace.turns,
+        return self._json({"session_id": trace.session_id, "turns": trace.turns, "tainted": trace.tainted,
                            "constrained": sorted(trace.constrained), "trajectories": [
             {"tokens": ints(t.tokens_raw, "i"), "logprobs": ints(t.logprobs_raw, "f"),
              "versions": ints(t.versions_raw, "i"), "loss_mask": list(t.loss_mask_raw),
@@ -528,7 +546,8 @@ class HttpServer:
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream")
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
+                                      output_sent=response.prepared)
             raise
         return response
 
@@ -614,7 +633,8 @@ class HttpServer:
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream")
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
+                                      output_sent=response.prepared)
             raise
         return response
 
@@ -668,7 +688,8 @@ class HttpServer:
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream")
+                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
+                                      output_sent=response.prepared)
             raise
         return response
 

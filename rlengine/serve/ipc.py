@@ -20,8 +20,8 @@ bound wait unparsed, so one large read cannot exceed it), and when the client st
 reading (the transport's write buffer passes its high-water mark) the server
 stops reading its requests too; a client that stays stalled for
 ``write_stall_timeout_s`` is disconnected. A connection that goes away with
-turns in flight abandons them (their leases poison the gate until settled:
-see ``SessionManager.abandon``).
+turns in flight abandons them: none of their output had reached it, so they
+are aborted (``SessionManager.abandon``) and the gate stays clean.
 
 This module speaks the wire format only; what a request means is the
 session layer's business.
@@ -183,7 +183,8 @@ class _Connection(asyncio.Protocol):
         turns, self.turns = self.turns, {}
         for fut in turns.values():
             if not fut.done():
-                self.sessions.abandon(fut.request_id, "the IPC client disconnected mid-generation")
+                # Replies go out whole, when a turn ends: none of this one reached the client.
+                self.sessions.abandon(fut.request_id, "the IPC client disconnected mid-generation", output_sent=False)
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading its requests, and

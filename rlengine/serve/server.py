@@ -68,6 +68,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     tombstone_ttl_s: float = 3600.0
     max_tombstones: int = 100_000
     trace_max_bytes: int = DEFAULT_MAX_BYTES
+    unknown_write_off_s: float = 30.0
+    """How long a turn whose client vanished after output reached it (an unknown outcome)
+    may block weight installs before it is written off; its session is marked tainted."""
     grace_s: float = 5.0
     """On shutdown, how long turns in flight may finish before they are aborted."""
     tool_parser: str | None = None
@@ -81,7 +84,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
         if self.max_frame > 0xFFFFFFFF:
             raise ConfigurationError(f"max_frame={self.max_frame}: must be < 2**32 (4-byte frame header)")
-        for name in ("write_stall_timeout_s", "tombstone_ttl_s"):
+        for name in ("write_stall_timeout_s", "tombstone_ttl_s", "unknown_write_off_s"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
         if not self.grace_s >= 0:
@@ -160,7 +163,8 @@ class Server:
         template = getattr(getattr(renderer, "tokenizer", None), "chat_template", None)
         self.sessions = SessionManager(self.router, self.store, renderer,
                                        parser_for(template if isinstance(template, str) else None,
-                                                  self.config.tool_parser))
+                                                  self.config.tool_parser),
+                                       unknown_write_off_s=self.config.unknown_write_off_s)
         cfg = self.config
         try:
             if cfg.ipc:

@@ -24,9 +24,14 @@ A turn is recorded when it completes, in one loop callback: a rejected or
 aborted turn records nothing. (One exception: if the trace store's memory
 bound is reached between storing a turn's prompt and its sampled tokens,
 the prompt stays, a branch with nothing to train on; the client gets
-``unavailable``.) A turn whose client went away mid-generation
-is abandoned: its lease stays unknown, poisoning the gate, until the session
-is retired or the turn is written off (``write_off``).
+``unavailable``.) A turn whose client went away mid-generation resolves by
+policy, without an operator (``abandon``): if nothing of it had reached the
+client (no reply sent, nothing streamed) it is aborted like any other turn
+and records nothing; if output may have reached the client, its outcome is
+unknown: its lease poisons the gate (no weight install while it could still
+change what is recorded), its session is marked ``tainted`` (the trace says
+so), and the lease is written off automatically ``unknown_write_off_s``
+later, or when the session is retired, whichever is first.
 
 Loop thread only (the engines' loop), like the trace store under it. This
 module does no I/O: the IPC and HTTP servers translate wire messages into
@@ -35,9 +40,11 @@ calls here.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 from collections.abc import Callable
@@ -83,6 +90,7 @@ _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 _encode_message = msgspec.msgpack.Encoder().encode
 
 OnTokens = Callable[[int, list[int], list[float], int], None]
+log = logging.getLogger("rlengine.serve")
 
 
 class TurnResult(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -119,6 +127,9 @@ class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     rewards: list[float | None]
     """Per trajectory: the reward sent while its leaf was the session's latest turn."""
     turns: int
+    tainted: bool = False
+    """A turn's client went away after output may have reached it, and the turn was not
+    recorded: the client may have seen (and may continue from) tokens the trace lacks."""
     constrained: frozenset[str] = frozenset()
     """Request ids (the segments' ``request_id``) of turns sampled under a constraint
     (forced tool calls, a JSON response): their logprobs are of the masked
@@ -137,6 +148,7 @@ class Session:
         "rewards",
         "root",
         "session_id",
+        "tainted",
         "token",
         "turns",
         "unknown_leases",
@@ -157,6 +169,9 @@ class Session:
         self.retired = False
         self.constrained: set[str] = set()
         """Request ids of its turns sampled under a constraint (``SessionTrace.constrained``)."""
+        self.tainted = False
+        """A turn's client went away after output may have reached it: what the client saw
+        (and may build on) was not recorded (``SessionTrace.tainted``)."""
 
     def __repr__(self) -> str:
         return f"<Session {self.session_id} turns={self.turns}{' retired' if self.retired else ''}>"
@@ -180,8 +195,10 @@ class SessionManager:
     """Sessions over the replicas of ``router``, traced in ``store``. Loop thread only."""
 
     def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, unknown_write_off_s: float = 30.0) -> None:
         self.router = router
+        self.unknown_write_off_s = unknown_write_off_s
+        """How long an abandoned turn's unknown outcome may poison the gate before it is written off."""
         self.store = store
         self.renderer = renderer
         self.tool_parser = tool_parser
@@ -464,26 +481,59 @@ class SessionManager:
         return self.store.append_turn(sid, seq.tokens_raw, seq.logprobs_raw, seq.versions_raw, kind="sampled",
                                       request_id=request_id, parent=parent).handle
 
-    def abandon(self, request_id: str, reason: str) -> None:
-        """The client of turn ``request_id`` went away before its reply: the outcome is
-        unknown to it, so the turn's lease stays unknown (poisoning the gate) until the
-        session is retired or ``write_off``; nothing is recorded for the turn."""
+    def abandon(self, request_id: str, reason: str, *, output_sent: bool = False) -> None:
+        """The client of turn ``request_id`` went away before its reply (see the module docstring).
+
+        ``output_sent`` False (no reply and nothing streamed had reached it): the
+        turn is aborted, records nothing and poisons nothing. True: its outcome
+        is unknown: the lease poisons the gate, the session is tainted, and the
+        lease is written off after ``unknown_write_off_s`` (or at retirement)."""
         entry = self._turns.get(request_id)
         if entry is None:
             return
         replica, session = entry
         engine = self.router.engines[replica]
+        if not output_sent or session is None or session.retired:
+            # Nothing reached the client, or nothing is recorded for it (a stateless
+            # turn): what it could have seen changes no trace.
+            engine.abort(request_id)
+            return
+        session.tainted = True
 
         def poisoned(f: RequestFuture[int | None]) -> None:
             lease_id = f.result(0) if f.exception(0) is None else None
             if lease_id is None:
                 return
-            if session is not None and not session.retired:
-                session.unknown_leases.append((replica, lease_id))
-            else:
+            if session.retired:
                 engine.write_off(lease_id)
+                return
+            session.unknown_leases.append((replica, lease_id))
+            asyncio.get_running_loop().call_later(self.unknown_write_off_s, self._expire, session, replica, lease_id)
 
         engine.abandon(request_id, reason).add_done_callback(poisoned)
+
+    def unknown_leases(self) -> list[dict[str, Any]]:
+        """Every lease with an unknown outcome, on every replica (for operators)."""
+        return [{"replica": replica, "lease_id": lease.lease_id, "session_id": lease.session_id,
+                 "request_id": lease.request_id, "reason": lease.reason}
+                for replica, engine in enumerate(self.router.engines) for lease in engine.gate.unknown_leases()]
+
+    def write_off_lease(self, replica: int, lease_id: int) -> RequestFuture[Any]:
+        """An operator gives up on one unknown outcome now (before its deadline)."""
+        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < len(self.router.engines):
+            raise InvalidRequest("replica", replica, f"must be in [0, {len(self.router.engines)})")
+        for session in self._live.values():
+            if (replica, lease_id) in session.unknown_leases:
+                session.unknown_leases.remove((replica, lease_id))
+        return self.router.engines[replica].write_off(lease_id)
+
+    def _expire(self, session: Session, replica: int, lease_id: int) -> None:
+        """The deadline of an unknown outcome: write its lease off, if nothing did already."""
+        if (replica, lease_id) in session.unknown_leases:
+            session.unknown_leases.remove((replica, lease_id))
+            log.warning("rlengine.serve: lease %d of session %s had an unknown outcome for %.0f s; written off",
+                        lease_id, session.session_id, self.unknown_write_off_s)
+            self.router.engines[replica].write_off(lease_id)
 
     def abort_all(self) -> None:
         """Abort every turn in flight (shutdown): each settles as aborted, nothing recorded."""
@@ -508,5 +558,5 @@ class SessionManager:
         trajectories = self.store.export(session.session_id)
         return SessionTrace(session_id=session.session_id, trajectories=trajectories,
                             rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
-                            constrained=frozenset(session.constrained))
+                            constrained=frozenset(session.constrained), tainted=session.tainted)
 

@@ -243,9 +243,8 @@ def test_bearer_token_is_required_when_configured():
         s.close()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_client_gone_mid_generation_poisons_the_gate_until_settled(served, stream):
-    sid, token = open_session(served)
+def _start_and_vanish(served, sid: str, token: str, stream: bool) -> None:
+    """Start a long turn over a raw socket and close it mid-generation (after the 200 when streamed)."""
     url = urlparse(served.http_url)
     body = json.dumps({"model": "sim", "messages": USER, "max_tokens": 5000, "stream": stream}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=WAIT)
@@ -253,25 +252,58 @@ def test_a_client_gone_mid_generation_poisons_the_gate_until_settled(served, str
                  + f"X-Session-ID: {sid}\r\nX-Session-Token: {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                  + body)
     if stream:
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # tokens have reached the client
     else:
-        time.sleep(0.1)
+        deadline = time.monotonic() + WAIT
+        while served.on_loop(lambda: served.sessions.in_flight) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # admitted and generating
     sock.close()
-    gate = served.engines[0].gate
+
+
+def _wait(predicate) -> None:
     deadline = time.monotonic() + WAIT
-    while not served.on_loop(gate.unknown_leases) and time.monotonic() < deadline:
+    while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
-    [lease] = served.on_loop(gate.unknown_leases)
-    assert lease.session_id == sid
-    with pytest.raises(rle.GatePoisoned):
-        served.install(seed=21)
-    session = served.on_loop(served.sessions.authorize, sid, token)
-    assert served.on_loop(served.sessions.write_off, session) == 1
-    deadline = time.monotonic() + WAIT
-    while served.on_loop(gate.unknown_leases) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    served.install(seed=22)
+
+
+def test_a_client_gone_before_any_output_is_an_aborted_turn_and_installs_go_on(served):
+    sid, token = open_session(served)
+    _start_and_vanish(served, sid, token, stream=False)
+    _wait(lambda: served.on_loop(lambda: served.sessions.in_flight) == 0)
+    assert served.on_loop(served.engines[0].gate.unknown_leases) == []
+    served.install(seed=21)  # the gate is not poisoned: nothing reached the client
     assert served.on_loop(lambda: served.sessions.store.export(sid)) == []  # nothing recorded
+    assert served.on_loop(served.sessions.trace, served.on_loop(served.sessions.authorize, sid, token)).tainted is False
+
+
+@pytest.mark.parametrize("resolver", ["deadline", "operator"])
+def test_a_client_gone_mid_stream_taints_its_session_and_is_written_off_by_deadline(resolver):
+    s = Served([sim_config()], ServeConfig(unknown_write_off_s=0.5 if resolver == "deadline" else 600.0))
+    try:
+        sid, token = open_session(s)
+        _start_and_vanish(s, sid, token, stream=True)
+        gate = s.engines[0].gate
+        _wait(lambda: bool(s.on_loop(gate.unknown_leases)))
+        [lease] = s.on_loop(gate.unknown_leases)
+        assert lease.session_id == sid
+        with pytest.raises(rle.GatePoisoned):  # output reached the client: no install while it is unknown
+            s.install(seed=21)
+        trace = oai(s).get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": {"X-Session-Token": token}})
+        assert trace["tainted"] is True and trace["trajectories"] == []
+        if resolver == "operator":
+            [listed] = oai(s).get("/admin/leases", cast_to=object)["unknown"]
+            assert (listed["replica"], listed["lease_id"], listed["session_id"]) == (0, lease.lease_id, sid)
+            oai(s).post(f"/admin/leases/0/{lease.lease_id}/write_off", cast_to=object)
+        _wait(lambda: not s.on_loop(gate.unknown_leases))  # written off by the policy (or the operator)
+        assert s.on_loop(gate.unknown_leases) == []
+        assert s.install(seed=22) >= 1
+        # The session itself goes on.
+        reply = oai(s).chat.completions.create(model="sim", messages=USER, max_tokens=2,
+                                               extra_headers={"X-Session-ID": sid, "X-Session-Token": token})
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        s.close()
 
 
 # -- fuzz -------------------------------------------------------------------------------------

@@ -353,7 +353,7 @@ def test_in_flight_turns_per_connection_are_bounded(served):
 # -- the gate ---------------------------------------------------------------------------------
 
 
-def test_a_client_gone_mid_generation_poisons_the_gate_until_its_session_is_retired(served):
+def test_a_client_killed_mid_generation_leaves_an_aborted_turn_and_installs_go_on(served):
     sid, token = open_session(served)
     raw = Raw(served.ipc_path)
     raw.send_msg(p.Generate(id=1, session_id=sid, token=token, tokens_raw=array("i", [1, 2]).tobytes(),
@@ -362,22 +362,15 @@ def test_a_client_gone_mid_generation_poisons_the_gate_until_its_session_is_reti
     while served.on_loop(lambda: served.sessions.in_flight) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)  # admitted and generating
-    raw.close()
+    raw.close()  # as a SIGKILLed client: its reply (sent whole, at the end) never reached it
     deadline = time.monotonic() + WAIT
-    while not served.on_loop(lambda: served.engines[0].gate.unknown_leases()) and time.monotonic() < deadline:
+    while served.on_loop(lambda: served.sessions.in_flight) and time.monotonic() < deadline:
         time.sleep(0.01)
-    [lease] = served.on_loop(lambda: served.engines[0].gate.unknown_leases())
-    assert lease.session_id == sid and "disconnected" in lease.reason
-    with pytest.raises(rle.GatePoisoned, match=sid):
-        served.install()
-    assert trace_len(served, sid) == 0  # nothing recorded for the abandoned turn
-    served.on_loop(served.sessions.retire, sid)  # settles it: written off
-    deadline = time.monotonic() + WAIT
-    while served.on_loop(lambda: served.engines[0].gate.unknown_leases()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert served.install(seed=5) >= 1
-    with Client(served.ipc_path, timeout=WAIT) as c, pytest.raises(p.SessionGone):
-        c.session(sid, token).generate([1], max_tokens=1)
+    assert served.on_loop(lambda: served.engines[0].gate.unknown_leases()) == []
+    assert served.install(seed=5) >= 1  # weight installs were never blocked
+    assert trace_len(served, sid) == 0  # nothing recorded for the aborted turn
+    with Client(served.ipc_path, timeout=WAIT) as c:  # and the session goes on
+        assert c.session(sid, token).generate([1], max_tokens=1).choices[0].stop_reason == "length"
 
 
 def test_shutdown_settles_in_flight_turns_and_removes_the_socket():
