@@ -10,6 +10,7 @@ are read where they apply (``RLENGINE_TORCH_THREADS`` in ``backends.torch.runtim
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from typing import Literal
@@ -19,7 +20,18 @@ import numpy as np
 
 from rlengine.errors import ConfigurationError
 
-__all__ = ["EngineConfig", "SimConfig", "continuous_sampling_from_env"]
+__all__ = ["EngineConfig", "SimConfig", "continuous_sampling_from_env", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``): what a server without
+    an API key may bind."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def continuous_sampling_from_env() -> bool:

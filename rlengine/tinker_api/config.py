@@ -9,11 +9,11 @@ module holds settings only.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 
 import msgspec
 
+from rlengine.core.config import is_loopback
 from rlengine.errors import ConfigurationError
 
 __all__ = ["TinkerServerConfig"]
@@ -64,15 +64,7 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")
         if self.api_key is not None and not self.api_key:
             raise ConfigurationError("api_key='': must be a non-empty secret or None")
-        if self.api_key is None and not _is_loopback(self.host):
+        if self.api_key is None and not is_loopback(self.host):
             raise ConfigurationError(f"host={self.host!r}: not a loopback address; serving beyond this machine "
                                      "needs api_key (a shared secret)")
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

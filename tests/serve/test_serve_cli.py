@@ -23,6 +23,7 @@ from serving import REPO, WAIT
 from rlengine import protocol as p
 from rlengine.errors import ConfigurationError
 from rlengine.sandbox_client import Client
+from rlengine.serve import ServeConfig
 from rlengine.serve.cli import parse_settings
 
 
@@ -166,3 +167,18 @@ def test_after_sigkill_serve_restarts_on_the_same_socket_path_and_dead_private_d
         assert not os.path.exists(stale_dir)
     finally:
         stop(fresh, signal.SIGTERM)
+
+
+def test_a_non_loopback_bind_without_an_api_key_is_refused():
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run([sys.executable, "-m", "rlengine.serve.cli", "backend=sim", "host=0.0.0.0"], check=False,
+                            capture_output=True, text=True, timeout=WAIT, env=env, cwd=REPO)
+    assert result.returncode == 2 and "host='0.0.0.0'" in result.stderr and "api_key" in result.stderr
+    for host in ("0.0.0.0", "::", "192.168.1.7", "example.com"):
+        with pytest.raises(ConfigurationError, match="api_key"):
+            ServeConfig(host=host)
+    assert ServeConfig(host="0.0.0.0", api_key="s3cret").host == "0.0.0.0"
+    assert ServeConfig(host="::1").host == "::1" and ServeConfig(host="localhost").host == "localhost"
+    assert ServeConfig(host="0.0.0.0", http=False).http is False  # nothing listens on that host
+    with pytest.raises(ConfigurationError, match="api_key"):
+        ServeConfig(api_key="")
