@@ -165,6 +165,8 @@ class SimBackend:
             raise RuntimeError("sim backend: step() while asleep (the engine must wake it first)")
         if self._theta is None:
             raise RuntimeError("sim backend: step() with no weights loaded")
+        if self.config.fail_at_step and self.steps + 1 >= self.config.fail_at_step:
+            raise RuntimeError(f"sim backend: injected failure at step {self.steps + 1} (sim.fail_at_step)")
         running, cap = self._running, self.config.max_num_seqs
         waiting, ticking, due = self._waiting, self._ticking, self._due
         now = self.steps + 1

@@ -72,8 +72,12 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_seqs: int = 1024
     seed: int = 0
     sleep_supported: bool = True
+    fail_at_step: int = 0
+    """Fault injection: the backend's ``step`` raises on its ``fail_at_step``-th call (0: never),
+    as a crashed inference engine would."""
 
     def __post_init__(self) -> None:
+        _positive("sim.fail_at_step", self.fail_at_step, integer=True, zero_ok=True)
         _positive("sim.vocab_size", self.vocab_size, integer=True)
         _positive("sim.max_model_len", self.max_model_len, integer=True)
         _positive("sim.gen_len", self.gen_len, integer=True)

@@ -354,6 +354,13 @@ class Engine:
         return self._state
 
     @property
+    def died(self) -> BaseException | None:
+        """What the engine died of (its backend or compute thread failed); None while it lives
+        or after a clean close. Supervisors (health checks, ``rlengine serve``) read it."""
+        dead = self._sampler.dead if self._sampler is not None else None
+        return None if dead is None or isinstance(dead, EngineClosed) else dead
+
+    @property
     def tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer (loaded once, offline); None for the sim backend."""
         if self.model_path is None:

@@ -14,7 +14,9 @@ With ``--tinker`` it also serves the Tinker REST API on replica 0
 It prints the servers' addresses (``ipc: <path>``, ``http: <url>``,
 ``tinker: <url>``, then ``ready``) and runs until SIGINT or SIGTERM; then turns in flight settle
 (finished within ``grace_s`` or aborted), the socket file is removed and the
-engines close. Exit status 0 after a clean stop, 2 for bad settings.
+engines close. Exit status 0 after a clean stop, 2 for bad settings, 1 when
+an engine died (its backend failed): the servers then stop on their own
+within a second, and ``GET /health`` answers 503 until they do.
 
 ``rlengine.cli`` wires ``add_parser`` and ``run`` in as its ``serve``
 command; ``python -m rlengine.serve.cli`` runs it alone. This module parses
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -35,6 +38,9 @@ import msgspec
 from rlengine.errors import ConfigurationError
 
 __all__ = ["add_parser", "main", "parse_settings", "run"]
+
+_WATCH_S = 0.25
+"""How often ``serve`` checks that its engines live."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -132,6 +138,7 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
     engines: list[Engine] = []
     server: Server | None = None
     tinker: Any = None
+    status = 0
     try:
         for i in range(replicas):
             engine = Engine(msgspec.structs.replace(engine_cfg, seed=engine_cfg.seed + i))
@@ -148,7 +155,17 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
             tinker = await start_tinker(engines[0], tinker_cfg)
             print(f"tinker: {tinker.url}", flush=True)
         print(f"ready: model {server.model_name!r}, {replicas} replica(s)", flush=True)
-        await stop.wait()
+        while not stop.is_set():
+            # A dead engine ends the process (its supervisor sees a non-zero exit), after
+            # everything pending has settled: the engine failed its requests as it died.
+            dead = [(i, e.died) for i, e in enumerate(engines) if e.died is not None]
+            if dead:
+                i, error = dead[0]
+                print(f"rlengine serve: engine replica {i} died: {error}", file=sys.stderr, flush=True)
+                status = 1
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _WATCH_S)
         print("stopping", flush=True)
     finally:
         if tinker is not None:
@@ -160,7 +177,7 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     print("stopped", flush=True)
-    return 0
+    return status
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,8 @@
 
 Endpoints:
 
+* ``GET /health`` - 200 while every engine replica lives, 503 naming the dead
+  ones (``GET /v1/models`` answers 503 then too);
 * ``GET /v1/models``, ``GET /v1/models/{id}`` - the served model;
 * ``POST /v1/chat/completions`` - non-streaming and streaming (SSE) chat
   completions. With a session id (``X-Session-ID`` header or ``session_id``
@@ -226,6 +228,7 @@ class HttpServer:
         self._encoder = msgspec.json.Encoder()
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
         self.app.add_routes([
+            web.get("/health", self.health),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id}", self.model),
             # A session's own base URL: its token is the API key (for harnesses that set only those two).
@@ -345,8 +348,21 @@ class HttpServer:
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rlengine"}
 
+    def _dead(self) -> web.Response | None:
+        """A 503 naming the replicas that died, or None while all live (a dead engine must not look healthy)."""
+        dead = {i: str(e.died) for i, e in enumerate(self.sessions.router.engines) if e.died is not None}
+        if not dead:
+            return None
+        body = {"status": "dead", "dead_replicas": dead,
+                "error": {"message": f"engine replica(s) {sorted(dead)} died: {next(iter(dead.values()))}",
+                          "type": "server_error", "code": "engine_dead", "param": None}}
+        return web.json_response(body, status=503)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return self._dead() or self._json({"status": "ok", "replicas": len(self.sessions.router.engines)})
+
     async def models(self, request: web.Request) -> web.Response:
-        return self._json({"object": "list", "data": [self._model_card()]})
+        return self._dead() or self._json({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]

@@ -245,6 +245,9 @@ class TinkerServer:
         return response
 
     async def _healthz(self, _request: web.Request) -> web.Response:
+        died = self.engine.died
+        if died is not None:  # a dead engine must not look healthy to its supervisor
+            return _json_response({"status": "dead", "error": str(died)}, status=503)
         return _json_response({"status": "ok"})
 
     async def _capabilities(self, _request: web.Request) -> web.Response:

@@ -362,3 +362,18 @@ def test_fuzz_the_http_handler(fuzz_server, body, path, use_token, session_heade
     elif resp.status != 405:
         decoded = json.loads(payload)
         assert ("error" in decoded) == (resp.status >= 400)
+
+
+def test_a_dead_engine_is_dead_to_health_checks():
+    s = Served([sim_config(fail_at_step=3)], ServeConfig())
+    try:
+        assert oai(s).get("/../health", cast_to=object)["status"] == "ok"
+        with pytest.raises(openai.APIStatusError):
+            oai(s).chat.completions.create(model="sim", messages=USER, max_tokens=50)
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(s).get("/../health", cast_to=object)
+        assert info.value.status_code == 503 and "injected failure" in str(info.value.body)
+        with pytest.raises(openai.InternalServerError):
+            oai(s).models.list()
+    finally:
+        s.close()

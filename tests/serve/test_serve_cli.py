@@ -182,3 +182,18 @@ def test_a_non_loopback_bind_without_an_api_key_is_refused():
     assert ServeConfig(host="0.0.0.0", http=False).http is False  # nothing listens on that host
     with pytest.raises(ConfigurationError, match="api_key"):
         ServeConfig(api_key="")
+
+
+def test_serve_exits_non_zero_soon_after_its_engine_dies():
+    proc, addresses = start("backend=sim", "sim.fail_at_step=3", "sim.gen_len=1000", "http=false")
+    try:
+        with Client(addresses["ipc"], timeout=WAIT) as client, pytest.raises(p.ServeError):
+            client.open_session().generate([1, 2], max_tokens=100)
+        started = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "replica 0 died" in err and "injected failure" in err, (out, err)
+    assert time.monotonic() - started < 10
+    assert not os.path.exists(addresses["ipc"])  # it cleaned up on the way out

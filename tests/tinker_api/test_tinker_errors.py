@@ -302,3 +302,26 @@ def test_checkpoint_names_with_a_trailing_newline_or_a_path_are_refused(name):
     with pytest.raises(rle.InvalidRequest):
         parse_path("path", "tinker://model-1\n/weights/ok")
     assert check_name("path", "step-1") == "step-1"
+
+
+def test_healthz_reports_a_dead_engine(engine_config, ckpt_dir):
+    # As ``rlengine serve --tinker`` runs it: the engine in async mode on a loop it does not own,
+    # which outlives the engine's death (an engine owning its loop thread takes it down with it).
+    import asyncio
+
+    from rlengine.pytest_plugin import LocalServer
+    from rlengine.serve import ServeConfig
+    from rlengine.tinker_api.server import start_async
+
+    served = LocalServer(engine_config("sim", sim={"fail_at_step": 2}), ServeConfig(http=False))
+    server = asyncio.run_coroutine_threadsafe(start_async(served.engine, TinkerServerConfig(
+        checkpoint_dir=ckpt_dir)), served.loop).result(30)
+    try:
+        assert call(server.url, "healthz", method="GET").status_code == 200
+        with pytest.raises(rle.EngineDeadError):
+            served.engine.sample([1, 2], 1, rle.SamplingParams(max_tokens=5)).result(30)
+        health = call(server.url, "healthz", method="GET")
+        assert health.status_code == 503 and "injected failure" in health.json()["error"]
+    finally:
+        asyncio.run_coroutine_threadsafe(server.aclose(), served.loop).result(30)
+        served.close()
