@@ -61,6 +61,7 @@ __all__ = [
     "SessionExists",
     "SessionForbidden",
     "SessionGone",
+    "SessionLimit",
     "SessionNotFound",
     "SessionOpened",
     "ToolCallOut",
@@ -151,6 +152,12 @@ class TurnAborted(ServeError):
     code = "aborted"
 
 
+class SessionLimit(ServeError):
+    """The server holds as many open sessions as it keeps; close some first."""
+
+    code = "too_many_sessions"
+
+
 class Unavailable(ServeError, ConnectionError):
     """The engine is closed, closing or dead, or the trace store is full."""
 
@@ -163,7 +170,7 @@ class ConnectionLost(RLEngineError, ConnectionError):
 
 ERROR_CODES: dict[str, type[ServeError]] = {cls.code: cls for cls in (
     ServeError, BadFrame, FrameTooLarge, BadMessage, InvalidValue, Unsupported, SessionNotFound, SessionGone,
-    SessionForbidden, SessionExists, TurnAborted, Unavailable)}
+    SessionForbidden, SessionExists, SessionLimit, TurnAborted, Unavailable)}
 
 
 def error_from_wire(code: str, message: str) -> ServeError:

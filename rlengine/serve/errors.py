@@ -33,7 +33,7 @@ log = logging.getLogger("rlengine.serve")
 HTTP_STATUS: dict[str, int] = {
     "internal": 500, "bad_frame": 400, "frame_too_large": 413, "bad_message": 400, "invalid": 400,
     "unsupported": 400, "not_found": 404, "gone": 410, "forbidden": 403, "exists": 409, "aborted": 503,
-    "unavailable": 503,
+    "unavailable": 503, "too_many_sessions": 429,
 }
 
 

@@ -38,7 +38,7 @@ from rlengine.protocol import DEFAULT_MAX_FRAME
 from rlengine.render import ByteRenderer, ChatRenderer, TemplateRenderer
 from rlengine.serve.ipc import IpcServer
 from rlengine.serve.router import SessionRouter
-from rlengine.serve.sessions import SessionManager
+from rlengine.serve.sessions import Retention, SessionManager
 from rlengine.tool_parsers import PARSERS, parser_for
 from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore
 
@@ -69,6 +69,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     tombstone_ttl_s: float = 3600.0
     max_tombstones: int = 100_000
     trace_max_bytes: int = DEFAULT_MAX_BYTES
+    max_open_sessions: int = 100_000
+    """Open sessions at most (one more is refused: ``too_many_sessions``, HTTP 429)."""
+    idle_session_ttl_s: float = 3600.0
+    """A session without a turn for this long is closed by the server."""
+    closed_session_ttl_s: float = 600.0
+    """A closed session's trace waits this long for ``collect``, then is freed."""
+    max_closed_sessions: int = 10_000
+    """Closed sessions' traces kept at most, the oldest freed first (and, oldest first, whenever
+    the trace store is 90 % full)."""
     unknown_write_off_s: float = 30.0
     """How long a turn whose client vanished after output reached it (an unknown outcome)
     may block weight installs before it is written off; its session is marked tainted."""
@@ -78,7 +87,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """How the model writes tool calls (``rlengine.tool_parsers``: ``hermes``, ...); None picks it
     from the model's chat template (no tool format there: requests with tools are refused)."""
 
+    @property
+    def retention(self) -> Retention:
+        return Retention(max_open=self.max_open_sessions, idle_ttl_s=self.idle_session_ttl_s,
+                         closed_ttl_s=self.closed_session_ttl_s, max_closed=self.max_closed_sessions)
+
     def __post_init__(self) -> None:
+        self.retention  # noqa: B018 - checks the retention fields (ConfigurationError naming the bad one)
         for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -170,7 +185,8 @@ class Server:
         self.sessions = SessionManager(self.router, self.store, renderer,
                                        parser_for(template if isinstance(template, str) else None,
                                                   self.config.tool_parser),
-                                       unknown_write_off_s=self.config.unknown_write_off_s)
+                                       unknown_write_off_s=self.config.unknown_write_off_s,
+                                       retention=self.config.retention)
         cfg = self.config
         try:
             if cfg.ipc:

@@ -47,6 +47,8 @@ import json
 import logging
 import re
 import secrets
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -55,12 +57,13 @@ import numpy as np
 
 from rlengine.constraints import output_constraint
 from rlengine.core.futures import RequestFuture
-from rlengine.errors import InvalidRequest
+from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.protocol import (
     Choice,
     SessionExists,
     SessionForbidden,
     SessionGone,
+    SessionLimit,
     SessionNotFound,
     ToolCallOut,
     TurnAborted,
@@ -81,7 +84,7 @@ from rlengine.tool_parsers import ToolCall, ToolParser
 from rlengine.trace import TraceStore, Trajectory
 from rlengine.types import ModelInput, SampleResponse, SamplingParams
 
-__all__ = ["MAX_SAMPLES", "Session", "SessionManager", "SessionTrace", "ToolUse", "TurnResult"]
+__all__ = ["MAX_SAMPLES", "Retention", "Session", "SessionManager", "SessionTrace", "ToolUse", "TurnResult"]
 
 MAX_SAMPLES = 64
 """Most completions (``n``) one turn may ask for."""
@@ -100,6 +103,34 @@ class TurnResult(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     replica: int
     prompt_tokens: int
     choices: list[Choice]
+
+
+class Retention(msgspec.Struct, kw_only=True, frozen=True):
+    """How long sessions and their traces are kept (``SessionManager.sweep``); every bound resolves
+    without an operator, so a long-running server's memory stays bounded."""
+
+    max_open: int = 100_000
+    """Open sessions at most; one more is refused (``SessionLimit``)."""
+    idle_ttl_s: float = 3600.0
+    """A live session with no turn for this long is retired (later requests: ``gone``)."""
+    closed_ttl_s: float = 600.0
+    """A retired session's trace is kept this long for ``collect``, then freed."""
+    max_closed: int = 10_000
+    """Retired sessions' traces kept at most (the oldest are freed first)."""
+    store_high_water: float = 0.9
+    """While the trace store holds more than this share of its bound, retired traces are freed,
+    oldest first, before a new session or turn is refused for lack of room."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_open", "max_closed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
+        for name in ("idle_ttl_s", "closed_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if not 0 < self.store_high_water <= 1:
+            raise ConfigurationError(f"store_high_water={self.store_high_water!r}: must be in (0, 1]")
 
 
 class ToolUse(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -140,6 +171,7 @@ class Session:
     """One agent conversation (loop thread only)."""
 
     __slots__ = (
+        "active_at",
         "boundaries",
         "constrained",
         "in_flight",
@@ -169,6 +201,8 @@ class Session:
         self.retired = False
         self.constrained: set[str] = set()
         """Request ids of its turns sampled under a constraint (``SessionTrace.constrained``)."""
+        self.active_at = time.monotonic()
+        """When it was opened or last started or finished a turn (idle expiry; retirement time once retired)."""
         self.tainted = False
         """A turn's client went away after output may have reached it: what the client saw
         (and may build on) was not recorded (``SessionTrace.tainted``)."""
@@ -195,16 +229,20 @@ class SessionManager:
     """Sessions over the replicas of ``router``, traced in ``store``. Loop thread only."""
 
     def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None,
-                 tool_parser: ToolParser | None = None, unknown_write_off_s: float = 30.0) -> None:
+                 tool_parser: ToolParser | None = None, unknown_write_off_s: float = 30.0,
+                 retention: Retention | None = None) -> None:
         self.router = router
+        self.retention = retention or Retention()
         self.unknown_write_off_s = unknown_write_off_s
         """How long an abandoned turn's unknown outcome may poison the gate before it is written off."""
         self.store = store
         self.renderer = renderer
         self.tool_parser = tool_parser
         """How the model writes tool calls (None: its template renders none, so tools are refused)."""
-        self._live: dict[str, Session] = {}
+        self._live: OrderedDict[str, Session] = OrderedDict()
+        """Least recently active first (idle expiry takes from the front)."""
         self._retired: dict[str, Session] = {}
+        """Retired sessions whose traces await ``collect``, in retirement order."""
         self._turns: dict[str, tuple[int, Session | None]] = {}
         """Every turn in flight: request id -> (replica, session or None)."""
 
@@ -222,6 +260,10 @@ class SessionManager:
             raise SessionGone(f"session_id={session_id!r}: a session with this id was retired; ids are not reused")
         if session_id in self._live or session_id in self.store:
             raise SessionExists(f"session_id={session_id!r}: a session with this id exists")
+        self.sweep()
+        if len(self._live) >= self.retention.max_open:
+            raise SessionLimit(f"{len(self._live)} sessions are open, the most this server keeps (max_open_sessions); "
+                               "close some")
         session = Session(session_id, secrets.token_urlsafe(24), self.store.open(session_id))
         self._live[session_id] = session
         return session
@@ -246,6 +288,7 @@ class SessionManager:
                 return
             raise SessionNotFound(f"session_id={session_id!r}: no such live session")
         session.retired = True
+        session.active_at = time.monotonic()
         self._retired[session_id] = session
         for request_id, replica in list(session.in_flight.items()):
             self.router.engines[replica].abort(request_id)
@@ -266,6 +309,40 @@ class SessionManager:
         trace = self._export(session)
         self.store.drop(session_id)
         return trace
+
+    def sweep(self, now: float | None = None) -> int:
+        """Apply the retention policy (``Retention``); returns how many sessions it ended or freed.
+
+        Live sessions idle (no turn started or finished, none in flight) for
+        ``idle_ttl_s`` are retired; retired sessions' traces are freed once
+        older than ``closed_ttl_s``, beyond the newest ``max_closed``, or,
+        oldest first, while the trace store is over ``store_high_water`` of
+        its bound. Runs when a session opens and a turn starts (O(what it frees))."""
+        now = time.monotonic() if now is None else now
+        policy, done = self.retention, 0
+        live = self._live
+        while live:
+            session = next(iter(live.values()))
+            if now - session.active_at < policy.idle_ttl_s:
+                break
+            if session.in_flight:
+                live.move_to_end(session.session_id)  # busy, not idle: look again later
+                session.active_at = now
+                continue
+            log.info("rlengine.serve: session %s idle for %.0f s; retired", session.session_id, policy.idle_ttl_s)
+            self.retire(session.session_id)
+            done += 1
+        retired = self._retired
+        limit = self.store.max_bytes * policy.store_high_water if self.store.max_bytes else None
+        while retired:
+            session = next(iter(retired.values()))
+            if (now - session.active_at < policy.closed_ttl_s and len(retired) <= policy.max_closed
+                    and (limit is None or self.store.memory_bytes <= limit)):
+                break
+            del retired[session.session_id]
+            self.store.drop(session.session_id)
+            done += 1
+        return done
 
     def retired(self) -> list[str]:
         """Retired sessions whose traces await ``collect``."""
@@ -369,7 +446,10 @@ class SessionManager:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_SAMPLES}]")
         router = self.router
+        self.sweep()
         if session is not None:
+            session.active_at = time.monotonic()
+            self._live.move_to_end(session.session_id)
             replica = router.pin(session.session_id)
         else:
             replica = router.least_loaded() if affinity is None else router.affine(affinity)
@@ -388,6 +468,7 @@ class SessionManager:
             self._turns.pop(request_id, None)
             if session is not None:
                 session.in_flight.pop(request_id, None)
+                session.active_at = time.monotonic()
 
         def finish(resp: SampleResponse) -> TurnResult:
             if session is not None and session.retired:

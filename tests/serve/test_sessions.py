@@ -13,6 +13,7 @@ during turns).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -420,3 +421,61 @@ def test_session_ids_that_are_only_dots_or_out_of_the_alphabet_are_refused(sim, 
         sim.on_loop(sim.sessions.open, bad)
     good = f"a.{len(bad)}.{bad.count(' ')}"
     assert sim.on_loop(sim.sessions.open, good).session_id == good
+
+
+# -- retention: bounded memory without an operator --------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_ten_thousand_session_cycles_keep_memory_and_never_fill_the_store():
+    s = Served([sim_config(gen_len=8, step_time_s=0.0)], ServeConfig(http=False, trace_max_bytes=4 << 20))
+    sessions = s.sessions
+    params = rle.SamplingParams(max_tokens=8)
+    prompt = np.arange(1, 200, dtype=np.int32).tobytes()
+
+    async def cycles(n: int) -> None:
+        for _ in range(n):
+            session = sessions.open()
+            await sessions.generate(session, prompt, params)
+            sessions.close(session)
+
+    try:
+        s._run(cycles(1_000), 300)
+        after_1k, store_1k = _rss_mb(), s.on_loop(lambda: sessions.store.memory_bytes)
+        s._run(cycles(9_000), 600)  # before retention: "trace store is full" at the 1,572nd
+        after_10k = _rss_mb()
+        assert s.on_loop(lambda: len(sessions.retired())) <= sessions.retention.max_closed
+        assert s.on_loop(lambda: sessions.store.memory_bytes) <= 4 << 20
+        assert after_10k - after_1k < 16, (after_1k, after_10k, store_1k)  # MB; 9,000 kept sessions would be more
+    finally:
+        s.close()
+
+
+def test_idle_and_closed_sessions_expire_and_open_sessions_are_capped():
+    s = Served([sim_config(gen_len=2)], ServeConfig(http=False, idle_session_ttl_s=0.2, closed_session_ttl_s=0.2,
+                                                    max_open_sessions=3))
+    sessions = s.sessions
+    try:
+        idle = s.on_loop(sessions.open)
+        done = s.on_loop(sessions.open)
+        s.on_loop(sessions.close, done)
+        busy = s.on_loop(sessions.open)
+        s.on_loop(sessions.open)
+        with pytest.raises(p.SessionLimit, match="max_open_sessions"):
+            s.on_loop(sessions.open)
+        turn = s.on_loop(lambda: sessions.generate(busy, np.arange(1, 5, dtype=np.int32).tobytes(),
+                                                   rle.SamplingParams(max_tokens=2)))
+        turn.result(WAIT)
+        time.sleep(0.3)
+        assert s.on_loop(sessions.sweep) >= 3  # the idle ones retired, the closed one's trace freed
+        assert done.session_id not in s.on_loop(sessions.retired)
+        assert done.session_id not in s.on_loop(lambda: list(sessions.store.sessions()))
+        with pytest.raises(p.SessionGone):
+            s.on_loop(sessions.authorize, idle.session_id, idle.token)
+        assert s.on_loop(sessions.open).session_id  # room again
+    finally:
+        s.close()
