@@ -19,7 +19,13 @@ server stops reading until replies go out; frames already read past the
 bound wait unparsed, so one large read cannot exceed it), and when the client stops
 reading (the transport's write buffer passes its high-water mark) the server
 stops reading its requests too; a client that stays stalled for
-``write_stall_timeout_s`` is disconnected. A connection that goes away with
+``write_stall_timeout_s`` is disconnected. Bounded by construction: at most ``max_connections`` connections (one more
+is told ``unavailable`` and closed); incomplete frames of all connections
+together hold at most ``max_buffered_bytes`` (the connection that would pass
+it is closed), a frame must arrive whole within ``frame_timeout_s`` of its
+first byte, and a connection with no turn in flight that sends nothing for
+``idle_timeout_s`` is closed; a closed connection's buffer is freed at once.
+A connection that goes away with
 turns in flight abandons them: none of their output had reached it, so they
 are aborted (``SessionManager.abandon``) and the gate stays clean.
 
@@ -110,6 +116,10 @@ class _Connection(asyncio.Protocol):
         self.turns: dict[int, RequestFuture[TurnResult]] = {}
         """In-flight turns by the client's request id."""
         self.closed = False
+        self.read_at = time.monotonic()
+        """When it last received bytes (idle timeout)."""
+        self.partial_since: float | None = None
+        """When the frame it is part-way through began (partial-frame timeout); None between frames."""
         self._reading_paused = False
         self._writing_paused = False
         self._stall_timer: asyncio.TimerHandle | None = None
@@ -125,18 +135,40 @@ class _Connection(asyncio.Protocol):
         # uvloop's transports do not subclass asyncio.Transport; they have its methods.
         self.transport = transport  # type: ignore[assignment]
         transport.set_write_buffer_limits(high=self.server.write_high_water)
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self.send(Error(id=0, code="unavailable", message=f"the server holds {len(server.connections)} "
+                            "connections, its limit (max_connections); try again later"))
+            self.closed = True
+            transport.close()
+            return
+        server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        reader, server = self.reader, self.server
+        before = reader.buffered
         try:
-            bodies = self.reader.feed(data)
+            bodies = reader.feed(data)
         except ServeError as exc:
             # The stream cannot be resynchronised after a bad header: say why, then close.
             self.send(Error(id=0, code=exc.code, message=str(exc)))
             self.close()
             return
+        after = reader.buffered
+        if after != before:
+            server.buffered += after - before
+            now = self.read_at = time.monotonic()
+            self.partial_since = None if not after else self.partial_since or now
+            if server.buffered > server.max_buffered_bytes:
+                # Partial frames of all connections together hold at most this much memory.
+                self.send(Error(id=0, code="unavailable", message=f"incomplete frames hold {server.buffered} bytes, "
+                                "more than the server keeps (max_buffered_bytes); this connection is closed"))
+                self.close()
+                return
+        else:
+            self.read_at = time.monotonic()
         self._held.extend(bodies)
         self._serve_held()
 
@@ -178,6 +210,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_stall_timer()
+        if self in self.server.connections:
+            self.server.buffered -= self.reader.buffered
+        self.reader = FrameReader(self.server.max_frame)  # its partial frame is freed now
         self.server.connections.discard(self)
         self._held.clear()
         turns, self.turns = self.turns, {}
@@ -347,8 +382,19 @@ class IpcServer:
     """Listens on a unix socket on the running loop and serves ``SessionManager`` requests."""
 
     def __init__(self, sessions: SessionManager, *, model_name: str, max_frame: int, max_in_flight: int = 256,
-                 write_high_water: int = 4 << 20, write_stall_timeout_s: float = 30.0) -> None:
+                 write_high_water: int = 4 << 20, write_stall_timeout_s: float = 30.0, max_connections: int = 1024,
+                 idle_timeout_s: float = 600.0, frame_timeout_s: float = 30.0,
+                 max_buffered_bytes: int = 256 << 20) -> None:
         self.sessions = sessions
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        """A connection with no turn in flight that sends nothing for this long is closed."""
+        self.frame_timeout_s = frame_timeout_s
+        """A frame must arrive whole within this long of its first byte."""
+        self.max_buffered_bytes = max_buffered_bytes
+        """Bytes all connections' incomplete frames may hold together."""
+        self.buffered = 0
+        self._sweeper: asyncio.TimerHandle | None = None
         self.model_name = model_name
         self.max_frame = max_frame
         self.max_in_flight = max_in_flight
@@ -393,9 +439,29 @@ class IpcServer:
         # between bind and chmod; the mode is defence in depth.
         os.chmod(path, 0o600)
         self.path = path
+        self._schedule_sweep()
         return path
 
+    def _schedule_sweep(self) -> None:
+        period = min(max(min(self.idle_timeout_s, self.frame_timeout_s) / 4, 0.02), 5.0)
+        self._sweeper = asyncio.get_running_loop().call_later(period, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections stuck in a frame for ``frame_timeout_s`` or idle for ``idle_timeout_s``."""
+        now = time.monotonic()
+        for conn in list(self.connections):
+            if conn.partial_since is not None and now - conn.partial_since > self.frame_timeout_s:
+                conn.send(Error(id=0, code="bad_frame", message=f"a frame stayed incomplete for more than "
+                                f"{self.frame_timeout_s} s (frame_timeout_s); the connection is closed"))
+                conn.close()
+            elif not conn.turns and not conn.reader.buffered and now - conn.read_at > self.idle_timeout_s:
+                conn.close()
+        self._schedule_sweep()
+
     def stop_listening(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
 

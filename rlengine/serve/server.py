@@ -66,6 +66,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Turns in flight per IPC connection before the server stops reading it."""
     write_stall_timeout_s: float = 30.0
     """An IPC client that does not read its replies for this long is disconnected."""
+    max_connections: int = 1024
+    """IPC connections at most; one more is told ``unavailable`` and closed."""
+    idle_timeout_s: float = 600.0
+    """An IPC connection with no turn in flight that sends nothing for this long is closed."""
+    frame_timeout_s: float = 30.0
+    """An IPC frame must arrive whole within this long of its first byte."""
+    max_buffered_bytes: int = 256 << 20
+    """Bytes the IPC connections' incomplete frames may hold together (beyond it, the
+    connection that would exceed it is closed)."""
     tombstone_ttl_s: float = 3600.0
     max_tombstones: int = 100_000
     trace_max_bytes: int = DEFAULT_MAX_BYTES
@@ -94,13 +103,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         self.retention  # noqa: B018 - checks the retention fields (ConfigurationError naming the bad one)
-        for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones"):
+        for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones", "max_connections",
+                     "max_buffered_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
         if self.max_frame > 0xFFFFFFFF:
             raise ConfigurationError(f"max_frame={self.max_frame}: must be < 2**32 (4-byte frame header)")
-        for name in ("write_stall_timeout_s", "tombstone_ttl_s", "unknown_write_off_s"):
+        for name in ("write_stall_timeout_s", "tombstone_ttl_s", "unknown_write_off_s", "idle_timeout_s",
+                     "frame_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
         if not self.grace_s >= 0:
@@ -192,7 +203,9 @@ class Server:
             if cfg.ipc:
                 self.ipc = IpcServer(self.sessions, model_name=self.model_name, max_frame=cfg.max_frame,
                                      max_in_flight=cfg.max_in_flight,
-                                     write_stall_timeout_s=cfg.write_stall_timeout_s)
+                                     write_stall_timeout_s=cfg.write_stall_timeout_s,
+                                     max_connections=cfg.max_connections, idle_timeout_s=cfg.idle_timeout_s,
+                                     frame_timeout_s=cfg.frame_timeout_s, max_buffered_bytes=cfg.max_buffered_bytes)
                 self.ipc_path = await self.ipc.start(cfg.socket_path)
             if cfg.http:
                 from rlengine.serve.http import HttpServer  # aiohttp only where HTTP is served

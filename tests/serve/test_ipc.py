@@ -490,3 +490,71 @@ def test_fuzz_a_server_connection_never_crashes(fuzz_served, data):
     decoder = msgspec.msgpack.Decoder(p.Reply)
     for body in replies:
         decoder.decode(body)
+
+
+# -- bounded connections: limits, partial frames, idle clients ------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_partial_frame_floods_are_bounded_timed_out_and_freed():
+    s = Served([sim_config()], ServeConfig(http=False, max_buffered_bytes=64 << 20, frame_timeout_s=1.0))
+    raws: list[Raw] = []
+    try:
+        base = _rss_mb()
+        chunk = b"x" * (12 << 20)  # 12 MiB of a 16 MiB frame each
+        for _ in range(8):  # 96 MiB announced: more than the 64 MiB the server keeps for incomplete frames
+            raw = Raw(s.ipc_path)
+            raws.append(raw)
+            try:
+                raw.send(p.HEADER.pack(16 << 20) + chunk)
+            except OSError:
+                pass  # already closed by the server: over the budget
+        deadline = time.monotonic() + WAIT
+        while s.on_loop(lambda: s.server.ipc.buffered) > 64 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held = s.on_loop(lambda: s.server.ipc.buffered)
+        assert 0 < held <= 64 << 20
+        assert _rss_mb() - base < 64 + 40  # MB: the budget, plus the reads in flight
+        # The partial frames are never completed: after frame_timeout_s every connection is closed.
+        deadline = time.monotonic() + WAIT
+        while s.on_loop(lambda: len(s.server.ipc.connections)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.on_loop(lambda: (len(s.server.ipc.connections), s.server.ipc.buffered)) == (0, 0)
+        del chunk
+        after = _rss_mb()
+        assert after - base < 24, (base, after)  # MB: the partial frames' memory went back to the system
+        with Client(s.ipc_path, timeout=WAIT) as c:  # and the server serves on
+            assert c.ping(b"ok") == b"ok"
+    finally:
+        for raw in raws:
+            raw.close()
+        s.close()
+
+
+def test_connections_beyond_the_limit_are_refused_and_idle_ones_closed():
+    s = Served([sim_config()], ServeConfig(http=False, max_connections=4, idle_timeout_s=0.5))
+    raws: list[Raw] = []
+    try:
+        raws = [Raw(s.ipc_path) for _ in range(4)]
+        for raw in raws:
+            raw.send_msg(p.Ping(id=1, payload=b"a"))
+            assert raw.recv().payload == b"a"
+        extra = Raw(s.ipc_path)
+        reply = extra.recv()
+        assert isinstance(reply, p.Error) and reply.code == "unavailable" and "max_connections" in reply.message
+        assert extra.at_eof()
+        extra.close()
+        deadline = time.monotonic() + WAIT  # the four idle ones are closed by the server
+        while s.on_loop(lambda: len(s.server.ipc.connections)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(raw.at_eof() for raw in raws)
+        with Client(s.ipc_path, timeout=WAIT) as c:
+            assert c.ping(b"ok") == b"ok"
+    finally:
+        for raw in raws:
+            raw.close()
+        s.close()
