@@ -52,10 +52,25 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+import msgspec
+
 from rlengine.errors import InvalidRequest
 
-__all__ = ["Boundary", "ByteRenderer", "ChatRenderer", "TemplateRenderer", "TextStream", "assistant_tail",
-           "check_tool_results", "message_key", "normalize_messages", "normalize_tools", "render_chat", "suffix_text"]
+__all__ = [
+    "Boundary",
+    "ByteRenderer",
+    "ChatRenderer",
+    "TemplateRenderer",
+    "TextStream",
+    "assistant_tail",
+    "check_tool_results",
+    "input_chars",
+    "message_key",
+    "normalize_messages",
+    "normalize_tools",
+    "render_chat",
+    "suffix_text",
+]
 
 
 class Boundary(NamedTuple):
@@ -73,6 +88,9 @@ class ChatRenderer(Protocol):
     name: str
     stop_ids: frozenset[int]
     """Tokens that end an assistant turn (their text belongs to the template's closing)."""
+    max_token_chars: int
+    """The most characters one token's text can hold: a text longer than ``n * max_token_chars``
+    cannot fit in ``n`` tokens (``input_chars`` checks requests against it before rendering)."""
 
     def render(self, messages: list[dict[str, Any]], generation: bool,
                tools: list[dict[str, Any]] | None = None) -> str: ...
@@ -87,6 +105,26 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 def _get(m: Any, key: str) -> Any:
     return m.get(key) if isinstance(m, dict) else getattr(m, key, None)
+
+
+def input_chars(messages: Any, tools: Any = None) -> int:
+    """The characters of text a chat request carries (contents, tool calls, tool schemas), counted
+    without rendering or parsing anything, so that one too large for the model's context is refused
+    before it costs any rendering or tokenization (``ChatRenderer.max_token_chars``)."""
+    total = 0 if not tools else len(msgspec.json.encode(tools))
+    if not isinstance(messages, (list, tuple)):
+        return total
+    for m in messages:
+        for key in ("content", "reasoning_content", "name", "tool_call_id"):
+            value = _get(m, key)
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, (list, tuple)):  # content parts
+                total += sum(len(t) for t in (_get(part, "text") for part in value) if isinstance(t, str))
+        calls = _get(m, "tool_calls")
+        if isinstance(calls, (list, tuple)):
+            total += len(msgspec.json.encode(calls))
+    return total
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -275,6 +313,9 @@ class TemplateRenderer:
         # models emit <|im_end|>, sometimes <|endoftext|>).
         stop.update(int(t) for t in getattr(tokenizer, "all_special_ids", ()) or ())
         self.stop_ids = frozenset(stop)
+        # Vocabulary strings are at least as long as their text (byte-level BPE
+        # spells each byte as one character; SentencePiece's "▁" is one space).
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
 
     def render(self, messages: list[dict[str, Any]], generation: bool,
                tools: list[dict[str, Any]] | None = None) -> str:
@@ -317,6 +358,7 @@ class ByteRenderer:
 
     name = "bytes"
     stop_ids: frozenset[int] = frozenset()
+    max_token_chars = 1
 
     def render(self, messages: list[dict[str, Any]], generation: bool,
                tools: list[dict[str, Any]] | None = None) -> str:

@@ -74,6 +74,7 @@ from rlengine.render import (
     ChatRenderer,
     assistant_tail,
     check_tool_results,
+    input_chars,
     message_key,
     normalize_messages,
     normalize_tools,
@@ -381,6 +382,12 @@ class SessionManager:
         renderer = self.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template; use token turns (generate)")
+        context = self.router.engines[0].backend.max_model_len
+        chars = input_chars(messages, tools)
+        if chars > context * renderer.max_token_chars:
+            # Refused before any rendering or tokenization: nothing on the loop grows with it.
+            raise InvalidRequest("messages", f"{chars} characters", f"cannot fit in the model's context of "
+                                 f"{context} tokens (a token holds at most {renderer.max_token_chars} characters)")
         msgs = normalize_messages(messages)
         tools = normalize_tools(tools)
         check_tool_results(msgs)

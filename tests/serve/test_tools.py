@@ -238,3 +238,41 @@ def test_top_logprobs_within_the_backends_limit(served, client):
                           ({"top_logprobs": 1}, "top_logprobs")]:
         with pytest.raises(openai.BadRequestError, match=field):
             client.chat.completions.create(model="tiny", messages=USER, **kwargs)
+
+
+def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_others_stay_served(served, client):
+    # 10 M characters (under the 16 MiB body limit): before the check, rendering and tokenizing it
+    # on the loop stalled every client for seconds. A probe asks for the models meanwhile.
+    import http.client
+    import threading
+    import time
+    from urllib.parse import urlparse
+
+    script(served, "fine")
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        url = urlparse(served.http_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            conn.request("GET", "/v1/models")
+            conn.getresponse().read()
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.002)
+        conn.close()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        big = [{"role": "user", "content": "lorem ipsum " * 833_334}]
+        with pytest.raises(openai.BadRequestError, match="cannot fit in the model's context"):
+            client.chat.completions.create(model="tiny", messages=big)
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # generous: a shared 2-core VM
+    assert client.chat.completions.create(model="tiny", messages=USER).choices[0].message.content == "fine"
