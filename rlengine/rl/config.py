@@ -77,6 +77,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """A quiescent checkpoint every K steps and after the last; 0: never."""
     keep_checkpoints: int = 2
     drain_policy: Literal["wait", "pause"] = "wait"
+    max_failure_share: float = 0.5
+    """Stop the run (``FailureBudgetExceeded``, a non-zero exit) when more than this share of the
+    attempts failed, or of the groups went untrained for too few surviving attempts, over the
+    last ``failure_window_steps`` steps; 1.0: never."""
+    failure_window_steps: int = 5
     episode_timeout_s: float = 300.0
     call_timeout_s: float = 600.0
     """Bound on every wait for one engine call of the training loop."""
@@ -92,12 +97,15 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         if self.steps is not None:
             _integer("steps", self.steps, minimum=1)
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
-                     "min_surviving_attempts", "keep_checkpoints"):
+                     "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
             _integer(name, getattr(self, name), minimum=1)
         for name in ("max_steps_off_policy", "eval_every", "checkpoint_every"):
             _integer(name, getattr(self, name), minimum=0)
         if self.workers is not None:
             _integer("workers", self.workers, minimum=1)
+        if isinstance(self.max_failure_share, bool) or not isinstance(self.max_failure_share, (int, float)) \
+                or not 0 < self.max_failure_share <= 1:
+            raise ConfigurationError(f"max_failure_share={self.max_failure_share!r}: must be in (0, 1]")
         if self.min_surviving_attempts > self.group_size:
             raise ConfigurationError(f"min_surviving_attempts={self.min_surviving_attempts}: exceeds "
                                      f"group_size={self.group_size}")

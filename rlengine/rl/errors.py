@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from rlengine.errors import RLEngineError
 
-__all__ = ["CheckpointError", "DataExhausted", "InvalidReward", "RunInterrupted", "StageTimeout"]
+__all__ = ["CheckpointError", "DataExhausted", "FailureBudgetExceeded", "InvalidReward", "RunInterrupted",
+           "StageTimeout"]
 
 
 class DataExhausted(RLEngineError, RuntimeError):
@@ -39,6 +40,18 @@ class RunInterrupted(RLEngineError, RuntimeError):
     def __init__(self, signum: int, name: str) -> None:
         self.signum = signum
         super().__init__(f"interrupted by {name}")
+
+
+class FailureBudgetExceeded(RLEngineError, RuntimeError):
+    """Too many attempts failed, or too many groups went untrained, over the last steps: the run
+    is not learning from what it samples (crashing sandboxes, a broken environment), so it stops."""
+
+    def __init__(self, what: str, share: float, bound: float, steps: int) -> None:
+        self.what = what
+        self.share = share
+        self.bound = bound
+        super().__init__(f"{what}: {share:.0%} over the last {steps} step(s), more than max_failure_share="
+                         f"{bound:g}; the run stops rather than train on what is left")
 
 
 class StageTimeout(RLEngineError, TimeoutError):

@@ -59,7 +59,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng, restore_rng
 from rlengine.rl.config import TrainConfig
-from rlengine.rl.errors import DataExhausted, RunInterrupted, StageTimeout
+from rlengine.rl.errors import DataExhausted, FailureBudgetExceeded, RunInterrupted, StageTimeout
 from rlengine.rl.metrics import RunLog, reward_stats
 from rlengine.rl.rollouts import rollout_group
 from rlengine.rl.types import EnvGroupBuilder, RLDataset
@@ -121,6 +121,8 @@ class TrainingRun:
         self._workers_left = self.n_workers
         self._finished = False
         self._eval_requested: set[int] = set()
+        self._failure_window: deque[tuple[int, int, int, int]] = deque(maxlen=self.cfg.failure_window_steps)
+        """(attempts failed, attempts, groups untrained for too few survivors, groups) of the last steps."""
         self._v0 = 0
         self._clock0 = 0.0
         self._last_step_end = 0.0
@@ -405,11 +407,30 @@ class TrainingRun:
         self.log.groups(batch.ledger)
         if self.on_step is not None:
             self.on_step(record)
+        self._check_failures(batch)
         if snapshot is not None:
             await self._checkpoint(snapshot)
         if cfg.eval_every and self.eval_dataset is not None and step % cfg.eval_every == 0:
             self._request_eval(step)
         return True
+
+    def _check_failures(self, batch: StepBatch) -> None:
+        """Stop the run when the failure shares of the last steps exceed ``max_failure_share``."""
+        cfg = self.cfg
+        window = self._failure_window
+        counts = batch.counts
+        window.append((counts["attempts_failed"], counts["attempts_failed"] + len(batch.rewards),
+                       counts["groups_dropped_too_few_survivors"], batch.consumed))
+        failed = sum(w[0] for w in window)
+        attempts = sum(w[1] for w in window)
+        untrained = sum(w[2] for w in window)
+        groups = sum(w[3] for w in window)
+        if attempts and failed / attempts > cfg.max_failure_share:
+            self._fail("training loop", FailureBudgetExceeded("failed attempts", failed / attempts,
+                                                              cfg.max_failure_share, len(window)))
+        elif groups and untrained / groups > cfg.max_failure_share:
+            self._fail("training loop", FailureBudgetExceeded("groups untrained for too few surviving attempts",
+                                                              untrained / groups, cfg.max_failure_share, len(window)))
 
     def _request_eval(self, step: int) -> None:
         if step not in self._eval_requested:

@@ -169,7 +169,7 @@ def summarize(run_dir: str, target: float) -> dict[str, Any]:
     out["first_reward_mean"] = rewards[0] if rewards else None
     tail = rewards[-5:]
     out["last_reward_mean"] = float(np.mean(tail)) if tail else None
-    reached = next((s for s in steps if (s.get("reward_mean") or float("-inf")) >= target), None)
+    reached = next((s for s in steps if s.get("reward_mean") is not None and s["reward_mean"] >= target), None)
     out["step_to_target"] = reached["step"] if reached else None
     out["time_to_target_s"] = reached["time_s"] if reached else None
     out["time_s"] = steps[-1].get("time_s")
@@ -180,5 +180,6 @@ def summarize(run_dir: str, target: float) -> dict[str, Any]:
     out["sampler_idle_frac_median"] = float(np.median(idle)) if idle else None
     if evals:
         out["eval_reward_last"] = evals[-1].get("reward_mean")
-        out["eval_reward_best"] = max(e.get("reward_mean") or float("-inf") for e in evals)
+        scored = [e["reward_mean"] for e in evals if e.get("reward_mean") is not None]
+        out["eval_reward_best"] = max(scored) if scored else None  # never -inf: no evaluation scored
     return out

@@ -9,8 +9,9 @@ tokens, logprobs and policy versions the server stored.
 * ``SandboxPool`` (trainer side) keeps ``size`` worker processes,
   ``python -m <module> <socket>``, and hands each episode to one of them as
   a JSON line on its stdin; the worker answers with a JSON line on stdout.
-  A worker that dies fails its episodes in flight (``SandboxError``) and is
-  replaced for the next ones; every episode has a deadline; closing the pool
+  A worker that dies fails its episodes in flight (``SandboxError`` of kind
+  ``crash``) and no later episode is sent to it: the next ones go to its
+  replacement, so a crash costs only the games that were running in it; every episode has a deadline; closing the pool
   ends the workers (stdin closed, then killed after a grace period).
 * ``SessionEnv`` (an ``AgentEnv``) opens a session on the server for its
   episode, sends the worker the session's id and token with the task, then
@@ -54,21 +55,29 @@ _decode = msgspec.json.Decoder().decode
 
 
 class SandboxError(RLEngineError, RuntimeError):
-    """A sandbox episode failed: the worker crashed, timed out, or reported an error."""
+    """A sandbox episode failed: the worker crashed, timed out, or reported an error (``kind``:
+    ``crash``, ``timeout`` or ``error``)."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class _Worker:
-    __slots__ = ("index", "pending", "proc", "reader")
+    __slots__ = ("dead", "index", "pending", "proc", "reader")
 
     def __init__(self, index: int, proc: asyncio.subprocess.Process) -> None:
         self.index = index
         self.proc = proc
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.reader: asyncio.Task[None] | None = None
+        self.dead = False
+        """Its output ended (it exited or was killed): set at once, before the exit is reaped,
+        so that no episode is sent to it in between (they would all fail)."""
 
     @property
     def alive(self) -> bool:
-        return self.proc.returncode is None and self.reader is not None and not self.reader.done()
+        return not self.dead and self.proc.returncode is None and self.reader is not None and not self.reader.done()
 
 
 class SandboxPool:
@@ -91,6 +100,7 @@ class SandboxPool:
         self.spawned = 0
         """Processes started so far (more than ``size`` after replacing crashed ones)."""
         self.crashed = 0
+
 
     async def start(self, socket_path: str) -> SandboxPool:
         self.socket_path = socket_path
@@ -137,14 +147,16 @@ class SandboxPool:
                 if not future.done():
                     future.set_result(answer)
         finally:
+            worker.dead = True
+            # Its episodes in flight fail now; no new one reaches it (``alive``) while it is reaped.
+            pending, worker.pending = worker.pending, {}
             code = await _wait_exit(worker.proc, 1.0)
             if not self._closed:
                 self.crashed += 1
             message = error or f"sandbox {worker.index} (pid {worker.proc.pid}) exited with code {code}"
-            for future in worker.pending.values():
+            for future in pending.values():
                 if not future.done():
-                    future.set_exception(SandboxError(message))
-            worker.pending.clear()
+                    future.set_exception(SandboxError(message, "crash"))
 
     async def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """Run one job on a worker; its ``result``, or ``SandboxError``."""
@@ -165,12 +177,14 @@ class SandboxPool:
             await stdin.drain()
         except (ConnectionError, RuntimeError) as exc:
             worker.pending.pop(job_id, None)
-            raise SandboxError(f"sandbox {index}: cannot send the job ({type(exc).__name__}: {exc})") from None
+            raise SandboxError(f"sandbox {index}: cannot send the job ({type(exc).__name__}: {exc})",
+                               "crash") from None
         try:
             async with asyncio.timeout(self.job_timeout_s):
                 answer = await future
         except TimeoutError:
-            raise SandboxError(f"sandbox {index}: no answer within job_timeout_s={self.job_timeout_s}") from None
+            raise SandboxError(f"sandbox {index}: no answer within job_timeout_s={self.job_timeout_s}",
+                               "timeout") from None
         finally:
             worker.pending.pop(job_id, None)
         if not answer.get("ok"):
