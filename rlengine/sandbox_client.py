@@ -303,11 +303,17 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, path: str, *, timeout: float = 60.0, max_frame: int = DEFAULT_MAX_FRAME) -> AsyncClient:
+        """Connect to the server's socket at ``path``; ``"fd:N"`` uses the already connected
+        socket ``N`` instead (what a confined sandbox worker is handed: it cannot reach the path)."""
         client = cls(path, timeout=timeout, max_frame=max_frame)
         loop = asyncio.get_running_loop()
+        if path.startswith("fd:"):
+            target: dict[str, Any] = {"sock": socket.socket(fileno=int(path[3:]))}
+        else:
+            target = {"path": path}
         try:
             transport, _ = await asyncio.wait_for(
-                loop.create_unix_connection(lambda: _ClientProtocol(client), path), timeout)
+                loop.create_unix_connection(lambda: _ClientProtocol(client), **target), timeout)
         except (OSError, TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect to {path!r}: {exc}") from None
         client._transport = transport  # type: ignore[assignment]

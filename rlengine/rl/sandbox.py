@@ -7,7 +7,8 @@ never re-tokenizes anything: it trains on the session's trace, the exact
 tokens, logprobs and policy versions the server stored.
 
 * ``SandboxPool`` (trainer side) keeps ``size`` worker processes,
-  ``python -m <module> <socket>``, and hands each episode to one of them as
+  ``python -m <module> fd:N`` (N: a socket already connected to the IPC
+  server, so the worker never needs the socket's path), and hands each episode to one of them as
   a JSON line on its stdin; the worker answers with a JSON line on stdout.
   A worker that dies fails its episodes in flight (``SandboxError`` of kind
   ``crash``) and no later episode is sent to it: the next ones go to its
@@ -22,6 +23,20 @@ tokens, logprobs and policy versions the server stored.
   ``AsyncClient`` to the socket and runs ``play(client, job)`` for every job
   line, concurrently, until stdin closes.
 
+Workers are confined: each starts with a scrubbed environment (an allow-list:
+``PATH``, ``LANG``, ``PYTHONPATH`` to import rlengine and the module, a
+private ``HOME`` / ``TMPDIR``, ``OMP_NUM_THREADS=1``, plus the pool's own
+``env``), in a private 0700 working directory removed when it exits, under
+resource limits (address space, open files, no core files; CPU time when
+set), and makes itself non-dumpable before it reads a job (``worker_main``),
+so a sibling of the same user cannot read its memory or environment through
+``/proc``. A trainer running as root (as CI does) starts each worker slot
+under an unprivileged uid of its own, so a worker reads neither a sibling's
+memory nor the trainer's files and environment. Session tokens reach a
+worker only in job lines on its stdin, never in argv or the environment.
+Stronger isolation (namespaces, bubblewrap) is the system's: run the
+trainer itself under it.
+
 Job lines: ``{"id": n, "session": ..., "token": ..., "task": ..., "sampling":
 {...}, "seed": ..., "max_turns": ...}``; answers: ``{"id": n, "ok": true,
 "result": {...}}`` or ``{"id": n, "ok": false, "error": "..."}``.
@@ -32,7 +47,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
+import socket
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -63,12 +82,70 @@ class SandboxError(RLEngineError, RuntimeError):
         self.kind = kind
 
 
-class _Worker:
-    __slots__ = ("dead", "index", "pending", "proc", "reader")
+_UID_BASE = 200_000
+_UID_SLOTS = 100
+"""A root trainer runs worker slot i as uid ``_UID_BASE + (pid % 1000) * _UID_SLOTS + i % _UID_SLOTS``."""
 
-    def __init__(self, index: int, proc: asyncio.subprocess.Process) -> None:
+
+_DROP = ("import os, sys; os.setgroups([]); os.setgid({uid}); os.setuid({uid}); "
+         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def _unreachable_by_others() -> str | None:
+    """The first path a worker under another uid would need (the interpreter, the standard library,
+    rlengine) that other users cannot reach; None when all are reachable."""
+    import rlengine
+
+    needed = [os.path.realpath(sys.executable), os.path.realpath(os.__file__),
+              os.path.realpath(rlengine.__file__)]
+    for path in needed:
+        part = path
+        while True:
+            try:
+                mode = os.stat(part).st_mode
+            except OSError:
+                return part
+            need = 0o005 if os.path.isdir(part) else 0o004
+            if mode & need != need:
+                return part
+            parent = os.path.dirname(part)
+            if parent == part:
+                break
+            part = parent
+    return None
+
+
+def _limit(pid: int, limits: dict[str, int | None]) -> None:
+    """Resource limits for a new worker (set from outside: no code runs between fork and exec)."""
+    import resource
+
+    settings = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, limits["open_files"]),
+                (resource.RLIMIT_AS, limits["address_space_bytes"]), (resource.RLIMIT_CPU, limits["cpu_seconds"])]
+    for which, value in settings:
+        if value is not None:
+            with contextlib.suppress(ProcessLookupError):  # it died already: its exit says why
+                resource.prlimit(pid, which, (value, value))
+
+
+def _not_dumpable() -> None:
+    """PR_SET_DUMPABLE 0: processes of the same user can no longer ptrace this one or read its
+    ``/proc/<pid>/mem`` and ``environ`` (Linux; elsewhere a no-op)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+class _Worker:
+    __slots__ = ("dead", "index", "pending", "proc", "reader", "workdir")
+
+    def __init__(self, index: int, proc: asyncio.subprocess.Process, workdir: str) -> None:
         self.index = index
         self.proc = proc
+        self.workdir = workdir
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.reader: asyncio.Task[None] | None = None
         self.dead = False
@@ -84,10 +161,25 @@ class SandboxPool:
     """``size`` sandbox worker processes running ``python -m module SOCKET [args]``; see the module docstring."""
 
     def __init__(self, module: str, size: int, *, args: tuple[str, ...] = (), job_timeout_s: float = 120.0,
-                 grace_s: float = 3.0) -> None:
+                 grace_s: float = 3.0, env: dict[str, str] | None = None, address_space_bytes: int | None = 8 << 30,
+                 open_files: int = 1024, cpu_seconds: int | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size={size!r}: must be an integer >= 1")
         self.module = module
+        self.env = dict(env or {})
+        """Variables a worker gets beyond the allow-list (nothing else of the trainer's environment)."""
+        self.limits = {"address_space_bytes": address_space_bytes, "open_files": open_files,
+                       "cpu_seconds": cpu_seconds}
+        self._uid_base: int | None = None
+        if os.geteuid() == 0:
+            blocked = _unreachable_by_others()
+            if blocked is None:
+                self._uid_base = _UID_BASE + (os.getpid() % 1000) * _UID_SLOTS
+            else:
+                log.warning("rlengine.rl: sandbox workers run as root, not under uids of their own: %s is not "
+                            "readable by other users (so they could not run Python); as root they can read each "
+                            "other's memory and the trainer's environment. Install Python where other users can "
+                            "read it, or run the trainer as an unprivileged user.", blocked)
         self.size = size
         self.args = args
         self.job_timeout_s = job_timeout_s
@@ -108,13 +200,43 @@ class SandboxPool:
             await self._spawn(i)
         return self
 
+    def _worker_env(self, workdir: str) -> dict[str, str]:
+        import rlengine
+
+        # Where rlengine and the environment module import from; nothing secret.
+        paths = [os.path.dirname(os.path.dirname(os.path.abspath(rlengine.__file__))), os.getcwd(),
+                 *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
+               "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1",
+               "OMP_NUM_THREADS": "1"}
+        return env | self.env
+
     async def _spawn(self, index: int) -> _Worker:
         assert self.socket_path is not None
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", self.module, self.socket_path, *self.args,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        workdir = tempfile.mkdtemp(prefix="rlengine-sandbox-")  # 0700
+        uid = None if self._uid_base is None else self._uid_base + index % _UID_SLOTS
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(conn, self.socket_path)
+            conn.setblocking(True)
+            # Under a uid of its own, a root trainer's worker gives up root before Python runs any of
+            # its code (uvloop's subprocess_exec takes no user=): a one-line exec wrapper.
+            drop = () if uid is None else ("-c", _DROP.format(uid=uid))
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, *drop, "-m", self.module, f"fd:{conn.fileno()}", *self.args,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(conn.fileno(),),
+                cwd=workdir, env=self._worker_env(workdir))
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        finally:
+            conn.close()  # the worker holds its own copy
+        _limit(proc.pid, self.limits)
         self.spawned += 1
-        worker = _Worker(index, proc)
+        worker = _Worker(index, proc, workdir)
         worker.reader = asyncio.get_running_loop().create_task(self._read(worker),
                                                                name=f"rlengine-sandbox-{index}")
         self._workers[index] = worker
@@ -151,6 +273,7 @@ class SandboxPool:
             # Its episodes in flight fail now; no new one reaches it (``alive``) while it is reaped.
             pending, worker.pending = worker.pending, {}
             code = await _wait_exit(worker.proc, 1.0)
+            shutil.rmtree(worker.workdir, ignore_errors=True)
             if not self._closed:
                 self.crashed += 1
             message = error or f"sandbox {worker.index} (pid {worker.proc.pid}) exited with code {code}"
@@ -287,9 +410,11 @@ class SessionEnv(AgentEnv):
 
 
 def worker_main(play: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
-    """The sandbox worker loop (``python -m ... SOCKET``): ``play(client, job)`` per job line."""
+    """The sandbox worker loop (``python -m ... fd:N`` or ``... SOCKET``): ``play(client, job)``
+    per job line. It makes itself non-dumpable before it reads any job (and so any token)."""
     if len(sys.argv) < 2:
-        raise SystemExit(f"usage: python -m {sys.argv[0]} SOCKET")
+        raise SystemExit(f"usage: python -m {sys.argv[0]} fd:N|SOCKET")
+    _not_dumpable()
     asyncio.run(_serve_jobs(sys.argv[1], play))
 
 

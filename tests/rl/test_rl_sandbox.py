@@ -10,6 +10,8 @@ to float precision).
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 import textwrap
 
 import numpy as np
@@ -224,3 +226,65 @@ def test_guess_recipe_learns_the_rules_within_20_steps(tmp_path, model_cache):
     assert first < 0.25 and invalid_first > 0.4, steps[:3]
     assert last >= first + 0.08, [s["reward_mean"] for s in steps]
     assert invalid_last <= invalid_first / 2, [s["env/invalid"] for s in steps]
+
+
+PROBE = """
+import ctypes, os, sys
+from rlengine.rl.sandbox import worker_main
+
+async def play(client, job):
+    libc = ctypes.CDLL(None)
+    return {"secret": os.environ.get("RLENGINE_TEST_SECRET"), "env": sorted(os.environ), "cwd": os.getcwd(),
+            "cwd_mode": oct(os.stat(".").st_mode & 0o777), "dumpable": libc.prctl(3, 0, 0, 0, 0),
+            "cmdline": open("/proc/self/cmdline").read().split("\\0"), "limits": open("/proc/self/limits").read(),
+            "token_in_env": any(job["token"] in v for v in os.environ.values()), "uid": os.getuid(),
+            "pong": (await client.ping(b"x")).decode()}
+
+if __name__ == "__main__":
+    worker_main(play)
+"""
+
+
+def test_sandbox_workers_are_confined(tmp_path, monkeypatch):
+    (tmp_path / "probe_sandbox.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("RLENGINE_TEST_SECRET", "hunter2")  # the trainer's environment holds a secret
+
+    async def main():
+        pool = SandboxPool("probe_sandbox", 2, job_timeout_s=30.0, env={"EXTRA": "1"}, open_files=256,
+                           address_space_bytes=4 << 30)
+        async with Engine(EngineConfig(backend="sim")) as engine, \
+                Server(engine, ServeConfig(http=False)) as server:
+            await pool.start(server.ipc_path)
+            try:
+                facts = await asyncio.gather(*(pool.run({"token": f"tok-{i}-secret"}) for i in range(2)))
+                workdirs = [w.workdir for w in pool._workers if w is not None]
+                assert all(os.path.isdir(d) for d in workdirs)
+            finally:
+                await pool.aclose()
+            assert not any(os.path.exists(d) for d in workdirs)  # private directories removed
+            return facts, server.ipc_path
+
+    facts, ipc_path = asyncio.run(main())
+    for f in facts:
+        assert f["pong"] == "x"  # it reached the server through the socket it was handed
+        assert f["secret"] is None and "EXTRA" in f["env"]
+        assert set(f["env"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE",
+                                 "OMP_NUM_THREADS", "EXTRA", "LC_CTYPE"}
+        assert f["cwd"].startswith(os.path.join(os.path.realpath(tempfile.gettempdir()),
+                                                "rlengine-sandbox-")) and f["cwd_mode"] == "0o700"
+        assert f["dumpable"] == 0  # same-user processes cannot read its memory or environment
+        assert ipc_path not in f["cmdline"] and f["cmdline"][-2].startswith("fd:")  # no path, no token in argv
+        assert not f["token_in_env"]
+        limits = {line[:26].strip(): line[26:].split()[0] for line in f["limits"].splitlines()[1:]}
+        assert limits["Max open files"] == "256" and limits["Max core file size"] == "0"
+        assert limits["Max address space"] == str(4 << 30)
+    assert len({f["cwd"] for f in facts}) == 2
+    # A root trainer runs each worker slot under a uid of its own, where other users can run Python
+    # at all; where they cannot (an interpreter under a 0700 /root), workers stay root and it warns.
+    from rlengine.rl.sandbox import _unreachable_by_others
+
+    if os.geteuid() == 0 and _unreachable_by_others() is None:
+        assert len({f["uid"] for f in facts}) == 2 and 0 not in {f["uid"] for f in facts}
+    else:
+        assert {f["uid"] for f in facts} == {os.geteuid()}
