@@ -25,7 +25,7 @@ tokens, logprobs and policy versions the server stored.
 
 Workers are confined: each starts with a scrubbed environment (an allow-list:
 ``PATH``, ``LANG``, ``PYTHONPATH`` to import rlengine and the module, a
-private ``HOME`` / ``TMPDIR``, ``OMP_NUM_THREADS=1``, plus the pool's own
+private ``HOME`` / ``TMPDIR``, the thread settings, plus the pool's own
 ``env``), in a private 0700 working directory removed when it exits, under
 resource limits (address space, open files, no core files; CPU time when
 set), and makes itself non-dumpable before it reads a job (``worker_main``),
@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from rlengine.backends.torch.threads import THREAD_VARIABLES
 from rlengine.errors import RLEngineError
 from rlengine.rl.types import AgentEnv, Observation, Trajectory, Transition
 from rlengine.types import ModelInput, SampledSequence, SamplingParams
@@ -207,8 +208,8 @@ class SandboxPool:
         paths = [os.path.dirname(os.path.dirname(os.path.abspath(rlengine.__file__))), os.getcwd(),
                  *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
-               "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1",
-               "OMP_NUM_THREADS": "1"}
+               "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1"}
+        env |= {k: os.environ[k] for k in THREAD_VARIABLES if k in os.environ}  # the trainer's thread settings
         return env | self.env
 
     async def _spawn(self, index: int) -> _Worker:

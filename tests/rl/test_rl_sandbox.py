@@ -270,7 +270,7 @@ def test_sandbox_workers_are_confined(tmp_path, monkeypatch):
         assert f["pong"] == "x"  # it reached the server through the socket it was handed
         assert f["secret"] is None and "EXTRA" in f["env"]
         assert set(f["env"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE",
-                                 "OMP_NUM_THREADS", "EXTRA", "LC_CTYPE"}
+                                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", "EXTRA", "LC_CTYPE"}
         assert f["cwd"].startswith(os.path.join(os.path.realpath(tempfile.gettempdir()),
                                                 "rlengine-sandbox-")) and f["cwd_mode"] == "0o700"
         assert f["dumpable"] == 0  # same-user processes cannot read its memory or environment

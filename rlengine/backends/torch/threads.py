@@ -26,7 +26,11 @@ from typing import NamedTuple
 
 from rlengine.errors import ConfigurationError
 
-__all__ = ["SMALL_MACHINE_CPUS", "ThreadDecision", "decide", "usable_cpus"]
+__all__ = ["SMALL_MACHINE_CPUS", "THREAD_VARIABLES", "ThreadDecision", "decide", "usable_cpus"]
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""The environment variables that carry a thread setting; child processes that get a scrubbed
+environment (sandbox workers) inherit these and nothing else of it that concerns threads."""
 
 SMALL_MACHINE_CPUS = 4
 
@@ -56,7 +60,7 @@ def decide(environ: Mapping[str, str] | None = None, cpus: int | None = None) ->
         if n < 1:
             raise ConfigurationError(f"RLENGINE_TORCH_THREADS={raw!r}: must be an integer >= 1")
         return ThreadDecision(n, f"RLENGINE_TORCH_THREADS={raw}")
-    omp = env.get("OMP_NUM_THREADS", "").strip()
+    omp = env.get(THREAD_VARIABLES[0], "").strip()
     if omp:
         return ThreadDecision(None, f"OMP_NUM_THREADS={omp} is set: torch's own choice")
     cpus = usable_cpus() if cpus is None else cpus
