@@ -23,7 +23,8 @@ _EXPORTS: dict[str, str] = {
     "RequestFuture": "rlengine.core.futures",
     "Lease": "rlengine.core.scheduler",
     **{name: "rlengine.errors" for name in (
-        "BackendRequestError", "ConfigurationError", "DrainTimeout", "EngineClosed", "EngineDeadError",
+        "BackendRequestError", "ConfigurationError", "ContextLengthExceeded", "DrainTimeout", "EngineClosed",
+        "EngineDeadError",
         "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "RequestAborted", "RequestError",
         "RequestTimeout", "RLEngineError")},
     **{name: "rlengine.types" for name in (
@@ -51,7 +52,8 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdamParams", "BackendRequestError", "ConfigurationError", "Datum", "DrainTimeout", "Engine",
+    "AdamParams", "BackendRequestError", "ConfigurationError", "ContextLengthExceeded", "Datum", "DrainTimeout",
+    "Engine",
     "EngineClosed", "EngineConfig", "EngineDeadError", "ForwardBackwardOutput", "GateError", "GatePoisoned",
     "InvalidRequest", "Lease", "LoadWeightsResponse", "ModelInput", "ModelNotLoaded", "OptimStepResponse",
     "RLEngineError", "Receipt", "RequestAborted", "RequestError", "RequestFuture", "RequestTimeout",

@@ -79,6 +79,16 @@ class InvalidRequest(FieldError, RequestError, ValueError):
     """A request carries an invalid value; it was rejected before queueing."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt does not fit in the model's context. Servers report it as OpenAI does
+    (``context_length_exceeded``, "maximum context length"), so clients that shorten or
+    summarize their history on it recognise it."""
+
+    def __init__(self, field: str, value: object, context: int, reason: str) -> None:
+        self.context = context
+        super().__init__(field, value, f"This model's maximum context length is {context} tokens; {reason}")
+
+
 class ModelNotLoaded(RequestError, LookupError):
     """The sampler version or model a request addresses is not loaded.
 

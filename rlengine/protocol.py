@@ -44,6 +44,7 @@ __all__ = [
     "Choice",
     "CloseSession",
     "ConnectionLost",
+    "ContextTooLong",
     "Error",
     "FrameReader",
     "FrameTooLarge",
@@ -152,6 +153,12 @@ class TurnAborted(ServeError):
     code = "aborted"
 
 
+class ContextTooLong(InvalidValue):
+    """The prompt does not fit in the model's context (OpenAI's ``context_length_exceeded``)."""
+
+    code = "context_length_exceeded"
+
+
 class SessionLimit(ServeError):
     """The server holds as many open sessions as it keeps; close some first."""
 
@@ -170,7 +177,7 @@ class ConnectionLost(RLEngineError, ConnectionError):
 
 ERROR_CODES: dict[str, type[ServeError]] = {cls.code: cls for cls in (
     ServeError, BadFrame, FrameTooLarge, BadMessage, InvalidValue, Unsupported, SessionNotFound, SessionGone,
-    SessionForbidden, SessionExists, SessionLimit, TurnAborted, Unavailable)}
+    SessionForbidden, SessionExists, SessionLimit, TurnAborted, Unavailable, ContextTooLong)}
 
 
 def error_from_wire(code: str, message: str) -> ServeError:

@@ -41,7 +41,7 @@ from rlengine.core.futures import RequestFuture
 from rlengine.core.records import Entry, OnTokens, SampleSpec, new_blocking, new_lease, new_sample
 from rlengine.core.sampler import SamplerLoop
 from rlengine.core.scheduler import Lease, Scheduler
-from rlengine.errors import EngineClosed, EngineDeadError, InvalidRequest, RLEngineError
+from rlengine.errors import ContextLengthExceeded, EngineClosed, EngineDeadError, InvalidRequest, RLEngineError
 from rlengine.types import ModelInput, SampleResponse, SamplingParams, UnloadModelResponse, int32_bytes
 
 if TYPE_CHECKING:
@@ -388,7 +388,8 @@ class Engine:
             raise InvalidRequest("prompt", "[]", "must hold at least one token")
         backend = self.backend
         if n >= backend.max_model_len:
-            raise InvalidRequest("prompt.length", n, f"must be < the model's context length {backend.max_model_len}")
+            raise ContextLengthExceeded("prompt.length", n, backend.max_model_len,
+                                        f"the prompt holds {n} tokens (it must leave room for one to generate)")
         if n < 256:  # short prompts: min() and max() over a memoryview beat numpy's call overhead
             ids = memoryview(raw).cast("i")
             low, top = min(ids), max(ids)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from rlengine.errors import (
+    ContextLengthExceeded,
     DrainTimeout,
     EngineDeadError,
     GateError,
@@ -23,7 +24,7 @@ from rlengine.errors import (
     ModelNotLoaded,
     RequestTimeout,
 )
-from rlengine.protocol import InvalidValue, ServeError, TurnAborted, Unavailable
+from rlengine.protocol import ContextTooLong, InvalidValue, ServeError, TurnAborted, Unavailable
 from rlengine.trace.errors import TraceMemoryExceeded, UnknownSession
 
 __all__ = ["HTTP_STATUS", "to_serve_error"]
@@ -33,7 +34,7 @@ log = logging.getLogger("rlengine.serve")
 HTTP_STATUS: dict[str, int] = {
     "internal": 500, "bad_frame": 400, "frame_too_large": 413, "bad_message": 400, "invalid": 400,
     "unsupported": 400, "not_found": 404, "gone": 410, "forbidden": 403, "exists": 409, "aborted": 503,
-    "unavailable": 503, "too_many_sessions": 429,
+    "unavailable": 503, "too_many_sessions": 429, "context_length_exceeded": 400,
 }
 
 
@@ -41,6 +42,8 @@ def to_serve_error(exc: BaseException) -> ServeError:
     """The ``ServeError`` to report for ``exc``."""
     if isinstance(exc, ServeError):
         return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return ContextTooLong(str(exc))
     if isinstance(exc, InvalidRequest):
         return InvalidValue(str(exc))
     if isinstance(exc, EngineDeadError):

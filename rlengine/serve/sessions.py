@@ -57,7 +57,7 @@ import numpy as np
 
 from rlengine.constraints import output_constraint
 from rlengine.core.futures import RequestFuture
-from rlengine.errors import ConfigurationError, InvalidRequest
+from rlengine.errors import ConfigurationError, ContextLengthExceeded, InvalidRequest
 from rlengine.protocol import (
     Choice,
     SessionExists,
@@ -386,8 +386,8 @@ class SessionManager:
         chars = input_chars(messages, tools)
         if chars > context * renderer.max_token_chars:
             # Refused before any rendering or tokenization: nothing on the loop grows with it.
-            raise InvalidRequest("messages", f"{chars} characters", f"cannot fit in the model's context of "
-                                 f"{context} tokens (a token holds at most {renderer.max_token_chars} characters)")
+            raise ContextLengthExceeded("messages", f"{chars} characters", context, f"{chars} characters cannot fit "
+                                        f"in it (a token holds at most {renderer.max_token_chars} characters)")
         msgs = normalize_messages(messages)
         tools = normalize_tools(tools)
         check_tool_results(msgs)

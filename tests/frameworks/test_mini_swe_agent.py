@@ -132,3 +132,16 @@ def test_the_default_agent_runs_a_command_then_submits_in_one_exact_trajectory(s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config", "work"]
     [trajectory] = session_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
     assert sampled(trajectory) == [tokens(served, CALL), tokens(served, SUBMIT)]
+
+
+def test_a_prompt_over_the_context_is_litellms_context_window_error(served, offline, litellm_leaves_nothing_open):
+    # LiteLLM (mini-swe-agent's client) recognises OpenAI's context_length_exceeded and raises
+    # ContextWindowExceededError, on which agents stop instead of retrying (with rlengine's first
+    # message it raised a plain BadRequestError, which mini-swe-agent retried ten times).
+    import litellm
+
+    opened = open_session(served)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model="openai/tiny", api_base=opened["base_url"], api_key=opened["token"], timeout=WAIT,
+                           num_retries=0, messages=[{"role": "user", "content": "lorem ipsum " * 4000}])
+    assert offline == []
