@@ -91,7 +91,7 @@ class TrainingRun:
                  log: RunLog, *, checkpointer: Checkpointer | None = None,
                  resume: tuple[str, LoopState] | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_eval: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_eval: Callable[[dict[str, Any]], None] | None = None, evaluated: Sequence[int] = ()) -> None:
         self.engine = engine
         self.cfg = config
         self.dataset = dataset
@@ -120,7 +120,8 @@ class TrainingRun:
         self._builders: tuple[int, Sequence[EnvGroupBuilder]] | None = None
         self._workers_left = self.n_workers
         self._finished = False
-        self._eval_requested: set[int] = set()
+        self._eval_requested: set[int] = set(evaluated)
+        """Steps evaluated or asked for (a resumed run starts with those its eval log holds)."""
         self._failure_window: deque[tuple[int, int, int, int]] = deque(maxlen=self.cfg.failure_window_steps)
         """(attempts failed, attempts, groups untrained for too few survivors, groups) of the last steps."""
         self._v0 = 0
@@ -185,8 +186,10 @@ class TrainingRun:
         self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
         self._last_step_end = time.monotonic()
         self._last_busy = self._sampler_busy()
-        if self.cfg.eval_every and self.eval_dataset is not None and self.step == 0:
-            self._request_eval(0)
+        if self.cfg.eval_every and self.eval_dataset is not None and self.step % self.cfg.eval_every == 0:
+            # Step 0's evaluation, or a resumed run's at its checkpoint when the run was
+            # killed between the checkpoint and that evaluation (once: see ``evaluated``).
+            self._request_eval(self.step)
         stages: dict[str, Callable[[], Awaitable[None]]] = {"dataloader": self._dataloader}
         for i in range(self.n_workers):
             stages[f"rollout worker {i}"] = self._worker

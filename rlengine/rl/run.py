@@ -142,7 +142,8 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
         the_recipe = load_recipe(recipe_name)
         options = convert(the_recipe.Options, stored_options, f"recipe {recipe_name!r}")
         checkpoint = Checkpointer(run_dir, config.keep_checkpoints).latest()
-        last = checkpoint[1].step if checkpoint else 0
+        # Without a checkpoint the run starts over, step 0's evaluation included: nothing is kept.
+        last = checkpoint[1].step if checkpoint else -1
         for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE):
             rewind_jsonl(os.path.join(run_dir, name), last)
     else:
@@ -184,8 +185,9 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
                 pass
         try:
             async with Engine(engine_config) as engine, the_recipe.attach(engine, dataset, eval_dataset):
+                evaluated = [e["step"] for e in read_jsonl(os.path.join(run_dir, EVAL_FILE))] if resume else []
                 run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
-                                  resume=checkpoint, on_step=on_step, on_eval=on_eval)
+                                  resume=checkpoint, on_step=on_step, on_eval=on_eval, evaluated=evaluated)
                 for signum, name in pending_signal:
                     run.interrupt(signum, name)
                 try:

@@ -218,3 +218,26 @@ def test_a_resumed_run_keeps_the_settings_that_change_what_is_trained(tmp_path):
     extended = train(None, {"steps": "3"}, run_dir=str(tmp_path), resume=True)
     assert isinstance(extended.error, Exception) and "dataset ran out" in str(extended.error)
     assert extended.resumed_from == 2
+
+
+def _eval_steps(run_dir) -> list[int]:
+    return [e["step"] for e in read_jsonl(os.path.join(run_dir, "eval.jsonl"))]
+
+
+def test_a_resumed_run_evaluates_each_step_once(tmp_path):
+    # Killed between the checkpoint at step 2 and its evaluation: the resumed run evaluates step 2
+    # (it used to skip it for good).
+    first = train("rl_sim:RECIPE", {"batches": "4", "steps": "2", "checkpoint_every": "2", "eval_every": "2"},
+                  run_dir=str(tmp_path / "a"))
+    assert first.error is None and _eval_steps(tmp_path / "a") == [0, 2]
+    rewind_jsonl(str(tmp_path / "a" / "eval.jsonl"), 0)  # as if killed before eval 2 was written
+    resumed = train(None, {"steps": "4"}, run_dir=str(tmp_path / "a"), resume=True)
+    assert resumed.error is None and resumed.resumed_from == 2
+    assert _eval_steps(tmp_path / "a") == [0, 2, 4]
+    # Killed before the first checkpoint: the run starts over, and step 0 is evaluated once (not twice).
+    train("rl_sim:RECIPE", {"batches": "4", "steps": "2", "checkpoint_every": "3", "eval_every": "2"},
+          run_dir=str(tmp_path / "b"))
+    os.remove(tmp_path / "b" / "checkpoints" / "latest")  # as if killed before the first checkpoint
+    again = train(None, {}, run_dir=str(tmp_path / "b"), resume=True)
+    assert again.error is None and again.resumed_from is None
+    assert _eval_steps(tmp_path / "b") == [0, 2]
