@@ -67,7 +67,7 @@ import msgspec
 from aiohttp import web
 
 from rlengine.constraints import json_response
-from rlengine.errors import InvalidRequest
+from rlengine.errors import ContextLengthExceeded, InvalidRequest
 from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
 from rlengine.render import TextStream
 from rlengine.serve import anthropic, responses
@@ -340,6 +340,21 @@ class HttpServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BadMessage(f"bad request body: {exc}") from None
 
+    async def _decode_turn(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
+        """A chat turn's body (any API), refused before it is read when it is too large to fit in
+        the model's context whatever it holds, so a huge body costs the loop nothing."""
+        renderer = self.sessions.renderer
+        size = request.content_length
+        if renderer is not None and size is not None:
+            context = self.sessions.router.engines[0].backend.max_model_len
+            # JSON spells a character in at most 12 bytes (a surrogate pair as two \u escapes);
+            # 1 MiB leaves room for everything around the text.
+            bound = 12 * context * renderer.max_token_chars + (1 << 20)
+            if size > bound:
+                raise ContextLengthExceeded("body", f"{size} bytes", context, f"a body of {size} bytes is larger "
+                                            f"than any request that fits in it ({bound} bytes)")
+        return await self._decode(request, decoder)
+
     def _json(self, body: Any, status: int = 200) -> web.Response:
         return web.Response(body=self._encoder.encode(body), status=status, content_type="application/json")
 
@@ -461,7 +476,7 @@ class HttpServer:
         return held
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = await self._decode(request, self._decoder)
+        req = await self._decode_turn(request, self._decoder)
         self._check_model(req.model)
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, params, tool_use = _messages(req), _sampling(req), _tool_use(req)
@@ -570,7 +585,7 @@ class HttpServer:
     # -- Anthropic's Messages API -----------------------------------------------------------
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        req = await self._decode(request, self._messages_decoder)
+        req = await self._decode_turn(request, self._messages_decoder)
         self._check_model(req.model)
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, tools, tool_use, params = anthropic.to_chat(req)
@@ -657,7 +672,7 @@ class HttpServer:
     # -- OpenAI's Responses API -------------------------------------------------------------
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        req = await self._decode(request, self._responses_decoder)
+        req = await self._decode_turn(request, self._responses_decoder)
         self._check_model(req.model)
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, tools, tool_use, params = responses.to_chat(req)

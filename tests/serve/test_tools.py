@@ -271,6 +271,10 @@ def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_oth
         with pytest.raises(openai.BadRequestError, match="maximum context length is 2048 tokens") as info:
             client.chat.completions.create(model="tiny", messages=big)
         assert info.value.code == "context_length_exceeded"  # OpenAI's code: clients shorten their history on it
+        assert "bytes is larger than any request that fits" in str(info.value)  # refused before it was read
+        medium = [{"role": "user", "content": "lorem ipsum " * 10_000}]  # read, but refused before rendering
+        with pytest.raises(openai.BadRequestError, match="120000 characters cannot fit"):
+            client.chat.completions.create(model="tiny", messages=medium)
         time.sleep(0.05)
     finally:
         stop.set()
