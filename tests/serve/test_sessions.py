@@ -450,7 +450,7 @@ def test_ten_thousand_session_cycles_keep_memory_and_never_fill_the_store():
         after_10k = _rss_mb()
         assert s.on_loop(lambda: len(sessions.retired())) <= sessions.retention.max_closed
         assert s.on_loop(lambda: sessions.store.memory_bytes) <= 4 << 20
-        assert after_10k - after_1k < 16, (after_1k, after_10k, store_1k)  # MB; 9,000 kept sessions would be more
+        assert after_10k - after_1k < 32, (after_1k, after_10k, store_1k)  # MB: tombstones and the retired kept
     finally:
         s.close()
 
