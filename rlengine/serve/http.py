@@ -226,6 +226,7 @@ class HttpServer:
         self._session_decoder = msgspec.json.Decoder(_SessionBody)
         self._reward_decoder = msgspec.json.Decoder(_RewardBody)
         self._encoder = msgspec.json.Encoder()
+        self.max_body_bytes = max_body_bytes
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
         self.app.add_routes([
             web.get("/health", self.health),
@@ -345,7 +346,7 @@ class HttpServer:
         the model's context whatever it holds, so a huge body costs the loop nothing."""
         renderer = self.sessions.renderer
         size = request.content_length
-        if renderer is not None and size is not None:
+        if renderer is not None and size is not None and size <= self.max_body_bytes:  # larger: 413, as any
             context = self.sessions.router.engines[0].backend.max_model_len
             # JSON spells a character in at most 12 bytes (a surrogate pair as two \u escapes);
             # 1 MiB leaves room for everything around the text.
