@@ -210,9 +210,12 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_stall_timer()
+        held = self.reader.buffered
         if self in self.server.connections:
-            self.server.buffered -= self.reader.buffered
+            self.server.buffered -= held
         self.reader = FrameReader(self.server.max_frame)  # its partial frame is freed now
+        if held >= _TRIM_BYTES:
+            _return_memory()
         self.server.connections.discard(self)
         self._held.clear()
         turns, self.turns = self.turns, {}
@@ -329,6 +332,25 @@ class _Connection(asyncio.Protocol):
 
 
 _DIR_PREFIX = "rlengine-ipc-"
+_TRIM_BYTES = 1 << 20
+"""A closed connection that held this much of a partial frame gives the memory back at once."""
+
+
+def _return_memory() -> None:
+    """Hand freed heap memory back to the system (glibc ``malloc_trim``). A large partial frame
+    grows by reallocation; once freed, glibc keeps such memory in its arena (its mmap threshold
+    rises after the first large free) unless asked. Elsewhere a no-op."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _is_dead_socket(path: str) -> bool:

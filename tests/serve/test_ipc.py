@@ -500,22 +500,34 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+FLOOD = """
+import socket, struct, sys, time
+path = sys.argv[1]
+socks = []
+for _ in range(8):  # 96 MiB announced: more than the 64 MiB the server keeps for incomplete frames
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    try:
+        s.sendall(struct.pack("<I", 16 << 20) + b"x" * (12 << 20))  # 12 MiB of a 16 MiB frame each
+    except OSError:
+        pass  # already closed by the server: over the budget
+    socks.append(s)
+print("sent", flush=True)
+time.sleep(60)  # never completes them; the server closes them after frame_timeout_s
+"""
+
+
 def test_partial_frame_floods_are_bounded_timed_out_and_freed():
+    # The flooding client is another process, so this process's RSS is the server's alone.
+    import subprocess
+    import sys
+
     s = Served([sim_config()], ServeConfig(http=False, max_buffered_bytes=64 << 20, frame_timeout_s=1.0))
-    raws: list[Raw] = []
+    flood = None
     try:
         base = _rss_mb()
-        chunk = b"x" * (12 << 20)  # 12 MiB of a 16 MiB frame each
-        for _ in range(8):  # 96 MiB announced: more than the 64 MiB the server keeps for incomplete frames
-            raw = Raw(s.ipc_path)
-            raws.append(raw)
-            try:
-                raw.send(p.HEADER.pack(16 << 20) + chunk)
-            except OSError:
-                pass  # already closed by the server: over the budget
-        deadline = time.monotonic() + WAIT
-        while s.on_loop(lambda: s.server.ipc.buffered) > 64 << 20 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, s.ipc_path], stdout=subprocess.PIPE, text=True)
+        assert flood.stdout.readline().strip() == "sent"
         held = s.on_loop(lambda: s.server.ipc.buffered)
         assert 0 < held <= 64 << 20
         assert _rss_mb() - base < 64 + 40  # MB: the budget, plus the reads in flight
@@ -524,14 +536,14 @@ def test_partial_frame_floods_are_bounded_timed_out_and_freed():
         while s.on_loop(lambda: len(s.server.ipc.connections)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.on_loop(lambda: (len(s.server.ipc.connections), s.server.ipc.buffered)) == (0, 0)
-        del chunk
         after = _rss_mb()
         assert after - base < 24, (base, after)  # MB: the partial frames' memory went back to the system
         with Client(s.ipc_path, timeout=WAIT) as c:  # and the server serves on
             assert c.ping(b"ok") == b"ok"
     finally:
-        for raw in raws:
-            raw.close()
+        if flood is not None:
+            flood.kill()
+            flood.communicate(timeout=WAIT)  # reaped, its pipe closed
         s.close()
 
 
