@@ -102,16 +102,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                          closed_ttl_s=self.closed_session_ttl_s, max_closed=self.max_closed_sessions)
 
     def __post_init__(self) -> None:
-        self.retention  # noqa: B018 - checks the retention fields (ConfigurationError naming the bad one)
         for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones", "max_connections",
-                     "max_buffered_bytes"):
+                     "max_buffered_bytes", "max_open_sessions", "max_closed_sessions"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
         if self.max_frame > 0xFFFFFFFF:
             raise ConfigurationError(f"max_frame={self.max_frame}: must be < 2**32 (4-byte frame header)")
         for name in ("write_stall_timeout_s", "tombstone_ttl_s", "unknown_write_off_s", "idle_timeout_s",
-                     "frame_timeout_s"):
+                     "frame_timeout_s", "idle_session_ttl_s", "closed_session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
         if not self.grace_s >= 0:

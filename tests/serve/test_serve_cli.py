@@ -197,3 +197,10 @@ def test_serve_exits_non_zero_soon_after_its_engine_dies():
     assert proc.returncode == 1 and "replica 0 died" in err and "injected failure" in err, (out, err)
     assert time.monotonic() - started < 10
     assert not os.path.exists(addresses["ipc"])  # it cleaned up on the way out
+
+
+@pytest.mark.parametrize("field, bad", [("max_open_sessions", 0), ("closed_session_ttl_s", 0), ("max_connections", 0),
+                                        ("idle_session_ttl_s", -1.0), ("frame_timeout_s", 0)])
+def test_bounds_in_the_serve_config_are_checked_by_their_own_names(field, bad):
+    with pytest.raises(ConfigurationError, match=f"^{field}="):
+        ServeConfig(**{field: bad})
