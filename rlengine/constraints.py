@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from rlengine.errors import InvalidRequest
 
-__all__ = ["CallSyntax", "json_response", "output_constraint"]
+__all__ = ["CallSyntax", "json_response", "output_constraint", "tool_choice"]
 
 
 class CallSyntax(Protocol):
@@ -37,6 +37,26 @@ class CallSyntax(Protocol):
 
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def tool_choice(value: Any) -> tuple[str, str | None]:
+    """An OpenAI ``tool_choice`` as (``auto`` | ``none`` | ``required`` | ``function``, the forced
+    function's name): a string, or a named function in Chat Completions' shape (``{"type":
+    "function", "function": {"name": ...}}``) or the Responses API's (``{"type": "function",
+    "name": ...}``); ``InvalidRequest`` naming ``tool_choice`` for anything else."""
+    if value is None:
+        return "auto", None
+    if isinstance(value, dict):
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, dict) else value.get("name")
+        if value.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest("tool_choice", value, "a named choice must be {'type': 'function', "
+                                 "'function': {'name': ...}} (or, in the Responses API, {'type': 'function', "
+                                 "'name': ...})")
+        return "function", name
+    if value not in ("auto", "none", "required"):
+        raise InvalidRequest("tool_choice", value, "must be 'auto', 'none', 'required' or a named function")
+    return value, None
 
 
 def json_response(field: str, response_format: Any) -> Any:

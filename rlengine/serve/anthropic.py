@@ -34,7 +34,7 @@ from rlengine.protocol import Choice, Unsupported
 from rlengine.serve.sessions import ToolUse
 from rlengine.types import SamplingParams
 
-__all__ = ["MessagesRequest", "content_blocks", "message_body", "sse", "stop_details", "to_chat"]
+__all__ = ["MessageEvents", "MessagesRequest", "content_blocks", "message_body", "sse", "stop_details", "to_chat"]
 
 
 class _Block(msgspec.Struct, frozen=True):
@@ -233,3 +233,50 @@ def message_body(message_id: str, model: str, choice: Choice, prompt_tokens: int
 def sse(encode: Callable[[Any], bytes], event: str, data: dict[str, Any]) -> bytes:
     """One server-sent event as Anthropic streams them (``event:`` then ``data:``)."""
     return b"event: " + event.encode() + b"\ndata: " + encode({"type": event, **data}) + b"\n\n"
+
+
+class MessageEvents:
+    """The events of one streamed message (``serve.http``'s ``StreamDialect``): ``message_start``,
+    a text block as its text settles, a ``tool_use`` block per call, ``message_delta``, ``message_stop``."""
+
+    def __init__(self, encode: Callable[[Any], bytes], message_id: str, model: str,
+                 stop: Callable[[Choice], tuple[str, str | None]]) -> None:
+        self.encode = encode
+        self.message_id = message_id
+        self.model = model
+        self.stop = stop
+        self.text_open = False
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        return sse(self.encode, kind, data)
+
+    def start(self) -> bytes:
+        return self.event("message_start", message={
+            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
+
+    def text(self, index: int, text: str) -> bytes:
+        out = b""
+        if not self.text_open:
+            self.text_open = True
+            out = self.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        return out + self.event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+
+    def error(self, err: Any) -> bytes:
+        return self.event("error", error={"type": "api_error", "message": f"{err.code}: {err}"})
+
+    def finish(self, result: Any, rests: list[str]) -> bytes:
+        choice = result.choices[0]
+        out = self.text(0, rests[0]) if rests[0] else b""
+        if self.text_open:
+            out += self.event("content_block_stop", index=0)
+        for k, call in enumerate(choice.tool_calls or (), start=int(self.text_open)):
+            out += self.event("content_block_start", index=k, content_block={
+                "type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            out += self.event("content_block_delta", index=k,
+                              delta={"type": "input_json_delta", "partial_json": call.arguments})
+            out += self.event("content_block_stop", index=k)
+        reason, sequence = self.stop(choice)
+        out += self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                          usage={"input_tokens": result.prompt_tokens, "output_tokens": len(choice.tokens_raw) // 4})
+        return out + self.event("message_stop")

@@ -61,12 +61,13 @@ import logging
 import math
 import time
 from array import array
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 
-from rlengine.constraints import json_response
+from rlengine.constraints import json_response, tool_choice
 from rlengine.errors import ContextLengthExceeded, InvalidRequest
 from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
 from rlengine.render import TextStream
@@ -167,18 +168,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 def _tool_use(req: ChatCompletionRequest) -> ToolUse:
     """``tool_choice``, ``parallel_tool_calls`` and ``response_format``, checked."""
-    choice, forced = req.tool_choice, None
-    if choice is None:
-        choice = "auto"
-    elif isinstance(choice, dict):
-        function = choice.get("function")
-        forced = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(forced, str):
-            raise InvalidRequest("tool_choice", choice, "a named choice must be {'type': 'function', "
-                                 "'function': {'name': ...}}")
-        choice = "function"
-    elif choice not in ("auto", "none", "required"):
-        raise InvalidRequest("tool_choice", choice, "must be 'auto', 'none', 'required' or a named function")
+    choice, forced = tool_choice(req.tool_choice)
     return ToolUse(choice=choice, forced=forced, parallel=req.parallel_tool_calls is not False,
                    schema=json_response("response_format", req.response_format))
 
@@ -482,7 +472,10 @@ class HttpServer:
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, params, tool_use = _messages(req), _sampling(req), _tool_use(req)
         if req.stream:
-            return await self._stream(request, req, session, affinity, messages, params, tool_use)
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return await self._stream(request, session, affinity, messages, params, req.n, req.tools, tool_use,
+                                      lambda rid: _ChatChunks(self._encoder.encode, rid, self.model_name, req.n,
+                                                              include_usage))
         fut = self.sessions.chat(session, messages, params, req.n, tools=req.tools, tool_use=tool_use,
                                  affinity=affinity)
         return self._json(self._completion(await self._turn(fut), session, req.logprobs))
@@ -523,58 +516,36 @@ class HttpServer:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top if alp != -math.inf]}
                             for t, lp, top in zip(tokens, lps, tops)]}
 
-    async def _stream(self, request: web.Request, req: ChatCompletionRequest, session: Session | None,
-                      affinity: str | None, messages: list[dict[str, Any]], params: SamplingParams,
-                      tool_use: ToolUse) -> web.StreamResponse:
-        fut, queue = self._streamed_turn(session, messages, params, req.n, req.tools, tool_use, affinity)
-        renderer = self.sessions.renderer
-        chunk_id, created = f"chatcmpl-{fut.request_id}", int(time.time())
-        encode = self._encoder.encode
+    async def _stream(self, request: web.Request, session: Session | None, affinity: str | None,
+                      messages: list[dict[str, Any]], params: SamplingParams, n: int, tools: Any,
+                      tool_use: ToolUse, dialect: Callable[[str], StreamDialect]) -> web.StreamResponse:
+        """Stream a turn as server-sent events in ``dialect(request_id)``'s shape (every API's one loop).
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-            body: dict[str, Any] = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
-                                    "model": self.model_name, "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return b"data: " + encode(body) + b"\n\n"
-
-        # Text that may turn out to be a tool call's markup, or the stop string the
-        # reply ends before, is held back until the turn's end settles it.
-        held = self._held(params, req.tools, tool_use)
+        Text that may turn out to be a tool call's markup, or the stop string the
+        reply ends before, is held back until the turn's end settles it. A client
+        that goes away abandons the turn, with or without output sent."""
+        fut, queue = self._streamed_turn(session, messages, params, n, tools, tool_use, affinity)
+        events = dialect(fut.request_id)
+        held = self._held(params, tools, tool_use)
+        streams = [_ContentStream(self.sessions.renderer, held) for _ in range(n)]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        streams = [_ContentStream(renderer, held) for _ in range(req.n)]
         try:
             item = await self._first_tokens(fut, queue)
             await response.prepare(request)
-            await response.write(b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                   "finish_reason": None}]) for i in range(req.n)))
+            await response.write(events.start())
             while item is not None:
                 index, ids = item
                 text = streams[index].push(ids)
                 if text:
-                    await response.write(chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}]))
+                    await response.write(events.text(index, text))
                 item = await queue.get()
             exc = fut.exception(0)
             if exc is not None:
-                err = to_serve_error(exc)
-                await response.write(b"data: " + encode(
-                    {"error": {"message": str(err), "type": "server_error", "code": err.code}}) + b"\n\n")
+                await response.write(events.error(to_serve_error(exc)))
             else:
                 result = fut.result(0)
-                for i, choice in enumerate(result.choices):
-                    rest = streams[i].finish(choice.text or "")
-                    if rest:
-                        await response.write(chunk([{"index": i, "delta": {"content": rest}, "finish_reason": None}]))
-                    for k, call in enumerate(_tool_call_list(choice)):
-                        await response.write(chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]},
-                                                     "finish_reason": None}]))
-                    await response.write(chunk([{"index": i, "delta": {}, "finish_reason": _finish_reason(choice)}]))
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
-                    await response.write(chunk([], {"prompt_tokens": result.prompt_tokens,
-                                                    "completion_tokens": completion_tokens,
-                                                    "total_tokens": result.prompt_tokens + completion_tokens}))
-            await response.write(b"data: [DONE]\n\n")
+                rests = [s.finish(c.text or "") for s, c in zip(streams, result.choices)]
+                await response.write(events.finish(result, rests))
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
@@ -591,7 +562,10 @@ class HttpServer:
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, tools, tool_use, params = anthropic.to_chat(req)
         if req.stream:
-            return await self._messages_stream(request, session, affinity, messages, tools, tool_use, params)
+            return await self._stream(request, session, affinity, messages, params, 1, tools, tool_use,
+                                      lambda rid: anthropic.MessageEvents(
+                                          self._encoder.encode, f"msg_{rid}", self.model_name,
+                                          lambda choice: self._stop_details(choice, params)))
         fut = self.sessions.chat(session, messages, params, 1, tools=tools, tool_use=tool_use, affinity=affinity)
         result = await self._turn(fut)
         choice = result.choices[0]
@@ -603,73 +577,6 @@ class HttpServer:
         assert renderer is not None
         return anthropic.stop_details(choice, params, lambda ids: renderer.decode(ids, skip_special=False))
 
-    async def _messages_stream(self, request: web.Request, session: Session | None, affinity: str | None,
-                               messages: list[dict[str, Any]], tools: Any, tool_use: ToolUse,
-                               params: SamplingParams) -> web.StreamResponse:
-        fut, queue = self._streamed_turn(session, messages, params, 1, tools, tool_use, affinity)
-        message_id = f"msg_{fut.request_id}"
-        encode = self._encoder.encode
-
-        def event(kind: str, **data: Any) -> bytes:
-            return anthropic.sse(encode, kind, data)
-
-        stream = _ContentStream(self.sessions.renderer, self._held(params, tools, tool_use))
-        text_open = False
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        try:
-            item = await self._first_tokens(fut, queue)
-            await response.prepare(request)
-            await response.write(event("message_start", message={
-                "id": message_id, "type": "message", "role": "assistant", "model": self.model_name, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}))
-            while True:
-                text = stream.push(item[1]) if item is not None else ""
-                if text:
-                    if not text_open:
-                        text_open = True
-                        await response.write(event("content_block_start", index=0,
-                                                   content_block={"type": "text", "text": ""}))
-                    await response.write(event("content_block_delta", index=0,
-                                               delta={"type": "text_delta", "text": text}))
-                if item is None:
-                    break
-                item = await queue.get()
-            exc = fut.exception(0)
-            if exc is not None:
-                err = to_serve_error(exc)
-                await response.write(event("error", error={"type": "api_error", "message": f"{err.code}: {err}"}))
-            else:
-                result = fut.result(0)
-                choice = result.choices[0]
-                rest = stream.finish(choice.text or "")
-                if rest and not text_open:
-                    text_open = True
-                    await response.write(event("content_block_start", index=0,
-                                               content_block={"type": "text", "text": ""}))
-                if rest:
-                    await response.write(event("content_block_delta", index=0,
-                                               delta={"type": "text_delta", "text": rest}))
-                if text_open:
-                    await response.write(event("content_block_stop", index=0))
-                for k, call in enumerate(choice.tool_calls or (), start=int(text_open)):
-                    await response.write(event("content_block_start", index=k, content_block={
-                        "type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
-                    await response.write(event("content_block_delta", index=k,
-                                               delta={"type": "input_json_delta", "partial_json": call.arguments}))
-                    await response.write(event("content_block_stop", index=k))
-                reason, sequence = self._stop_details(choice, params)
-                await response.write(event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                                           usage={"input_tokens": result.prompt_tokens,
-                                                  "output_tokens": len(choice.tokens_raw) // 4}))
-                await response.write(event("message_stop"))
-            await response.write_eof()
-        except (asyncio.CancelledError, ConnectionError):
-            if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
-                                      output_sent=response.prepared)
-            raise
-        return response
-
     # -- OpenAI's Responses API -------------------------------------------------------------
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
@@ -678,52 +585,76 @@ class HttpServer:
         session, affinity = self._session_from(request, req.session_id, req.session_token)
         messages, tools, tool_use, params = responses.to_chat(req)
         if req.stream:
-            return await self._responses_stream(request, req, session, affinity, messages, tools, tool_use, params)
+            return await self._stream(request, session, affinity, messages, params, 1, tools, tool_use,
+                                      lambda rid: responses.ResponseEvents(self._encoder.encode, rid,
+                                                                           self.model_name, req))
         fut = self.sessions.chat(session, messages, params, 1, tools=tools, tool_use=tool_use, affinity=affinity)
         result = await self._turn(fut)
         return self._json(responses.response_body(result.request_id, self.model_name, req, result.choices[0],
                                                   result.prompt_tokens))
 
-    async def _responses_stream(self, request: web.Request, req: Any, session: Session | None,
-                                affinity: str | None, messages: list[dict[str, Any]], tools: Any,
-                                tool_use: ToolUse, params: SamplingParams) -> web.StreamResponse:
-        fut, queue = self._streamed_turn(session, messages, params, 1, tools, tool_use, affinity)
-        events = responses.ResponseEvents(self._encoder.encode, fut.request_id)
-        created = int(time.time())
-        stream = _ContentStream(self.sessions.renderer, self._held(params, tools, tool_use))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        try:
-            item = await self._first_tokens(fut, queue)
-            await response.prepare(request)
-            started = responses.response_body(fut.request_id, self.model_name, req, None, 0, created)
-            await response.write(events.event("response.created", response=started)
-                                 + events.event("response.in_progress", response=started))
-            while item is not None:
-                text = stream.push(item[1])
-                if text:
-                    await response.write(events.text(text))
-                item = await queue.get()
-            exc = fut.exception(0)
-            if exc is not None:
-                err = to_serve_error(exc)
-                failed = {**started, "status": "failed", "error": {"code": err.code, "message": str(err)}}
-                await response.write(events.event("response.failed", response=failed))
-            else:
-                result = fut.result(0)
-                choice = result.choices[0]
-                rest = stream.finish(choice.text or "")
-                if rest:
-                    await response.write(events.text(rest))
-                final = responses.response_body(result.request_id, self.model_name, req, choice,
-                                                result.prompt_tokens, created)
-                await response.write(events.finish(final))
-            await response.write_eof()
-        except (asyncio.CancelledError, ConnectionError):
-            if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
-                                      output_sent=response.prepared)
-            raise
-        return response
+
+class StreamDialect(Protocol):
+    """How one API spells a streamed turn (``HttpServer._stream`` runs the turn)."""
+
+    def start(self) -> bytes: ...
+
+    def text(self, index: int, text: str) -> bytes:
+        """Content text of choice ``index``, as it is settled."""
+        ...
+
+    def error(self, err: Any) -> bytes:
+        """The turn failed after the stream began (a ``ServeError``)."""
+        ...
+
+    def finish(self, result: TurnResult, rests: list[str]) -> bytes:
+        """The end: ``rests[i]`` is the content choice ``i`` still owes, then its tool calls."""
+        ...
+
+
+class _ChatChunks:
+    """Chat Completions' chunks (``data: {...}`` lines, then ``data: [DONE]``)."""
+
+    def __init__(self, encode: Callable[[Any], bytes], request_id: str, model: str, n: int,
+                 include_usage: bool) -> None:
+        self.encode = encode
+        self.head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": model}
+        self.n = n
+        self.include_usage = include_usage
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        body: dict[str, Any] = {**self.head, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + self.encode(body) + b"\n\n"
+
+    def start(self) -> bytes:
+        return b"".join(self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}]) for i in range(self.n))
+
+    def text(self, index: int, text: str) -> bytes:
+        return self.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+
+    def error(self, err: Any) -> bytes:
+        body = {"error": {"message": str(err), "type": "server_error", "code": err.code}}
+        return b"data: " + self.encode(body) + b"\n\n" + b"data: [DONE]\n\n"
+
+    def finish(self, result: TurnResult, rests: list[str]) -> bytes:
+        out = []
+        for i, (choice, rest) in enumerate(zip(result.choices, rests)):
+            if rest:
+                out.append(self.text(i, rest))
+            for k, call in enumerate(_tool_call_list(choice)):
+                out.append(self.chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]},
+                                        "finish_reason": None}]))
+            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": _finish_reason(choice)}]))
+        if self.include_usage:
+            completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
+            out.append(self.chunk([], {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": result.prompt_tokens + completion_tokens}))
+        out.append(b"data: [DONE]\n\n")
+        return b"".join(out)
 
 
 def _finish_reason(choice: Choice) -> str:

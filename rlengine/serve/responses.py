@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from rlengine.constraints import json_response
+from rlengine.constraints import json_response, tool_choice
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import Choice, Unsupported
 from rlengine.serve.sessions import ToolUse
@@ -153,16 +153,7 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
 
 
 def _tool_use(req: ResponsesRequest) -> ToolUse:
-    choice, forced = req.tool_choice, None
-    if choice is None:
-        choice = "auto"
-    elif isinstance(choice, dict):
-        forced = choice.get("name")
-        if choice.get("type") != "function" or not isinstance(forced, str):
-            raise InvalidRequest("tool_choice", choice, "a named choice must be {'type': 'function', 'name': ...}")
-        choice = "function"
-    elif choice not in ("auto", "none", "required"):
-        raise InvalidRequest("tool_choice", choice, "must be 'auto', 'none', 'required' or a named function")
+    choice, forced = tool_choice(req.tool_choice)
     fmt = req.text.format if req.text is not None else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # the Responses layout: schema at the top
         fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema", {"type": "object"})}}
@@ -218,13 +209,26 @@ def response_body(response_id: str, model: str, req: ResponsesRequest, choice: C
 
 
 class ResponseEvents:
-    """The server-sent events of one streamed response, numbered in order."""
+    """The server-sent events of one streamed response, numbered in order (``serve.http``'s
+    ``StreamDialect``)."""
 
-    def __init__(self, encode: Callable[[Any], bytes], response_id: str) -> None:
+    def __init__(self, encode: Callable[[Any], bytes], response_id: str, model: str, req: ResponsesRequest) -> None:
         self.encode = encode
         self.response_id = response_id
+        self.model = model
+        self.req = req
+        self.created = int(time.time())
+        self.started = response_body(response_id, model, req, None, 0, self.created)
         self.sequence = 0
         self.text_open = False
+
+    def start(self) -> bytes:
+        return (self.event("response.created", response=self.started)
+                + self.event("response.in_progress", response=self.started))
+
+    def error(self, err: Any) -> bytes:
+        failed = {**self.started, "status": "failed", "error": {"code": err.code, "message": str(err)}}
+        return self.event("response.failed", response=failed)
 
     def event(self, kind: str, **data: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence, **data}
@@ -235,7 +239,7 @@ class ResponseEvents:
     def _message_id(self) -> str:
         return f"msg_{self.response_id}"
 
-    def text(self, delta: str) -> bytes:
+    def text(self, index: int, delta: str) -> bytes:
         """A text delta (opening the message item and its text part first)."""
         out = b""
         if not self.text_open:
@@ -248,9 +252,11 @@ class ResponseEvents:
         return out + self.event("response.output_text.delta", item_id=self._message_id, output_index=0,
                                 content_index=0, delta=delta, logprobs=[])
 
-    def finish(self, final: dict[str, Any]) -> bytes:
-        """Close the text, send every function call, and complete the response."""
-        out = b""
+    def finish(self, result: Any, rests: list[str]) -> bytes:
+        """The text still owed, then close it, send every function call, and complete the response."""
+        out = self.text(0, rests[0]) if rests[0] else b""
+        final = response_body(result.request_id, self.model, self.req, result.choices[0], result.prompt_tokens,
+                              self.created)
         items = final["output"]
         for index, item in enumerate(items):
             if item["type"] == "message":

@@ -282,17 +282,15 @@ class TorchBackend:
                 seq.prompt_logprobs = prompt_lps[i]
             # A NaN or +inf anywhere in a row makes its log_softmax, hence this
             # logprob, non-finite: one check per token instead of a pass over the vocab.
+            error = None
             if not math.isfinite(logprob):
+                error = f"non-finite logits at generated token {len(seq.tokens)} (the weights hold NaN or inf)"
+            elif seq.constrained is not None and not seq.constrained.accept(token):  # feeds its matcher
+                error = f"the grammar refused sampled token {token} at generated token {len(seq.tokens)}"
+            if error is not None:
                 out = self._report(seq)
                 out.finished = True
-                out.error = f"non-finite logits at generated token {len(seq.tokens)} (the weights hold NaN or inf)"
-                outputs.append(out)
-                finished.append(first_slot + i)
-                continue
-            if seq.constrained is not None and not seq.constrained.accept(token):
-                out = self._report(seq)
-                out.finished = True
-                out.error = f"the grammar refused sampled token {token} at generated token {len(seq.tokens)}"
+                out.error = error
                 outputs.append(out)
                 finished.append(first_slot + i)
                 continue
