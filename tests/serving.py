@@ -59,3 +59,56 @@ def run_sandbox(code: str, *args: str, timeout: float = WAIT) -> subprocess.Comp
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], check=False, capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+# -- the scripted backend over HTTP: what the tool and framework tests share ------------------------------------
+
+
+def scripted(model_cache: str, **overrides: Any) -> Served:
+    """The scripted backend on the tiny model, served over HTTP only; set its completions with
+    ``script``. ``overrides`` are ``EngineConfig`` fields (``model_args``, ...)."""
+    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
+                           engine_args={"script": ["ok"]}, **overrides)
+    return Served([cfg], ServeConfig(ipc=False))
+
+
+def script(served: Served, *texts: str) -> None:
+    """The completions the scripted backend returns, in order, cycling."""
+    served.engines[0].backend.set_script(list(texts))
+
+
+def script_tokens(served: Served, text: str) -> list[int]:
+    """What sampling ``text`` stores: the tokenizer's ids, then the end of the turn."""
+    tok = served.engines[0].tokenizer
+    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+
+def open_http_session(served: Served) -> dict[str, Any]:
+    """``POST /v1/sessions``: the session's id, token and own ``base_url``."""
+    import openai
+
+    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
+        return c.post("/sessions", body={}, cast_to=object)
+
+
+def http_trace(served: Served, opened: dict[str, Any]) -> dict[str, Any]:
+    """``GET /v1/sessions/<id>/trace`` of a session ``open_http_session`` opened."""
+    import openai
+
+    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
+        return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
+                     options={"headers": {"X-Session-Token": opened["token"]}})
+
+
+def sampled_segments(trajectory: dict[str, Any]) -> list[list[int]]:
+    """A traced trajectory's sampled segments; its loss mask must cover exactly them."""
+    toks, mask = trajectory["tokens"], trajectory["loss_mask"]
+    spans = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
+    assert mask == [int(any(a <= i < b for a, b in spans)) for i in range(len(toks))]
+    return [toks[a:b] for a, b in spans]
+
+
+def rss_mb() -> float:
+    """This process's resident memory, in MiB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

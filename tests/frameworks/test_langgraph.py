@@ -11,15 +11,11 @@ calls, and the script's tokens (what the session's one trajectory must hold).
 
 from __future__ import annotations
 
-import openai
 import pytest
 from langchain.agents import create_agent
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from serving import WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import WAIT, http_trace, open_http_session, sampled_segments, script_tokens, scripted
 
 CALL = 'Let me check.\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
 ANSWER = "It is sunny in Oslo."
@@ -27,35 +23,9 @@ ANSWER = "It is sunny in Oslo."
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache)
     yield s
     s.close()
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
-def open_session(served) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.post("/sessions", body={}, cast_to=object)
-
-
-def session_trace(served, opened: dict) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
-                     options={"headers": {"X-Session-Token": opened["token"]}})
-
-
-def sampled(trajectory: dict) -> list[list[int]]:
-    """The trajectory's sampled segments; the loss mask must cover exactly them."""
-    toks, mask = trajectory["tokens"], trajectory["loss_mask"]
-    spans = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
-    assert mask == [int(any(a <= i < b for a, b in spans)) for i in range(len(toks))]
-    return [toks[a:b] for a, b in spans]
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["invoke", "streaming"])
@@ -71,7 +41,7 @@ def test_a_react_agent_tool_round_trip_is_one_exact_trajectory(served, streaming
         return "sunny, 12 C"
 
     served.engines[0].backend.set_script([CALL, ANSWER])
-    opened = open_session(served)
+    opened = open_http_session(served)
     llm = ChatOpenAI(model="tiny", base_url=opened["base_url"], api_key=opened["token"], streaming=streaming,
                      max_retries=0, timeout=WAIT)
     agent = create_agent(llm, [get_weather], system_prompt="Answer with the weather tool.")
@@ -82,5 +52,5 @@ def test_a_react_agent_tool_round_trip_is_one_exact_trajectory(served, streaming
         ("get_weather", {"city": "Oslo"})]
     assert told.content == "sunny, 12 C" and told.tool_call_id == asked.tool_calls[0]["id"]
     assert answered.content == ANSWER and calls == ["Oslo"]
-    [trajectory] = session_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
-    assert sampled(trajectory) == [tokens(served, CALL), tokens(served, ANSWER)]
+    [trajectory] = http_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
+    assert sampled_segments(trajectory) == [script_tokens(served, CALL), script_tokens(served, ANSWER)]

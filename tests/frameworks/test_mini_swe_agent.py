@@ -23,10 +23,7 @@ import socket
 
 import openai
 import pytest
-from serving import WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import WAIT, http_trace, open_http_session, sampled_segments, script_tokens, scripted
 
 CALL = 'I will write the file.\n<tool_call>\n{"name":"bash","arguments":{"command":"echo hi > out.txt"}}\n</tool_call>'
 SUBMIT = ('Done.\n<tool_call>\n{"name":"bash","arguments":{"command":"echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}\n'
@@ -35,35 +32,9 @@ SUBMIT = ('Done.\n<tool_call>\n{"name":"bash","arguments":{"command":"echo COMPL
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           model_args={"max_position_embeddings": 8192}, engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache, model_args={"max_position_embeddings": 8192})
     yield s
     s.close()
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
-def open_session(served) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.post("/sessions", body={}, cast_to=object)
-
-
-def session_trace(served, opened: dict) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
-                     options={"headers": {"X-Session-Token": opened["token"]}})
-
-
-def sampled(trajectory: dict) -> list[list[int]]:
-    """The trajectory's sampled segments; the loss mask must cover exactly them."""
-    toks, mask = trajectory["tokens"], trajectory["loss_mask"]
-    spans = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
-    assert mask == [int(any(a <= i < b for a, b in spans)) for i in range(len(toks))]
-    return [toks[a:b] for a, b in spans]
 
 
 @pytest.fixture
@@ -117,7 +88,7 @@ def test_the_default_agent_runs_a_command_then_submits_in_one_exact_trajectory(s
     work = tmp_path / "work"
     work.mkdir()
     served.engines[0].backend.set_script([CALL, SUBMIT])
-    opened = open_session(served)
+    opened = open_http_session(served)
     config = get_config_from_spec("mini.yaml")
     model_config = config["model"]
     model_config["model_kwargs"] = {**model_config.get("model_kwargs", {}), "api_base": opened["base_url"],
@@ -130,8 +101,8 @@ def test_the_default_agent_runs_a_command_then_submits_in_one_exact_trajectory(s
     assert [m["role"] for m in agent.messages] == ["system", "user", "assistant", "tool", "assistant", "exit"]
     assert offline == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config", "work"]
-    [trajectory] = session_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
-    assert sampled(trajectory) == [tokens(served, CALL), tokens(served, SUBMIT)]
+    [trajectory] = http_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
+    assert sampled_segments(trajectory) == [script_tokens(served, CALL), script_tokens(served, SUBMIT)]
 
 
 def test_a_prompt_over_the_context_is_litellms_context_window_error(served, offline, litellm_leaves_nothing_open):
@@ -140,7 +111,7 @@ def test_a_prompt_over_the_context_is_litellms_context_window_error(served, offl
     # message it raised a plain BadRequestError, which mini-swe-agent retried ten times).
     import litellm
 
-    opened = open_session(served)
+    opened = open_http_session(served)
     with pytest.raises(litellm.ContextWindowExceededError):
         litellm.completion(model="openai/tiny", api_base=opened["base_url"], api_key=opened["token"], timeout=WAIT,
                            num_retries=0, messages=[{"role": "user", "content": "lorem ipsum " * 4000}])

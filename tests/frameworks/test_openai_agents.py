@@ -15,10 +15,7 @@ import asyncio
 import agents
 import openai
 import pytest
-from serving import WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import WAIT, http_trace, open_http_session, script_tokens, scripted
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 ANSWER = "It is sunny in Oslo."
@@ -27,27 +24,9 @@ ANSWER = "It is sunny in Oslo."
 @pytest.fixture(scope="module")
 def served(model_cache):
     agents.set_tracing_disabled(True)  # no trace export to OpenAI's servers
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache)
     yield s
     s.close()
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
-def open_session(served) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.post("/sessions", body={}, cast_to=object)
-
-
-def session_trace(served, opened: dict) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
-                     options={"headers": {"X-Session-Token": opened["token"]}})
 
 
 async def run_agent(opened: dict, kind: str, streamed: bool, calls: list[str]) -> str:
@@ -77,12 +56,12 @@ async def run_agent(opened: dict, kind: str, streamed: bool, calls: list[str]) -
 @pytest.mark.parametrize("kind", ["responses", "chat_completions"])
 def test_a_tool_using_agent_runs_and_its_session_is_one_exact_trajectory(served, kind, streamed):
     served.engines[0].backend.set_script([CALL, ANSWER])
-    opened, calls = open_session(served), []
+    opened, calls = open_http_session(served), []
     final = asyncio.run(run_agent(opened, kind, streamed, calls))
     assert final == ANSWER and calls == ["Oslo"]
-    trace = session_trace(served, opened)
+    trace = http_trace(served, opened)
     [trajectory] = trace["trajectories"]  # the tool loop stayed one trajectory
     toks, mask = trajectory["tokens"], trajectory["loss_mask"]
     sampled = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
-    assert [toks[a:b] for a, b in sampled] == [tokens(served, CALL), tokens(served, ANSWER)]
-    assert sum(mask) == len(tokens(served, CALL)) + len(tokens(served, ANSWER))
+    assert [toks[a:b] for a, b in sampled] == [script_tokens(served, CALL), script_tokens(served, ANSWER)]
+    assert sum(mask) == len(script_tokens(served, CALL)) + len(script_tokens(served, ANSWER))

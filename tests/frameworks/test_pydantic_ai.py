@@ -20,10 +20,7 @@ import pytest
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
-from serving import WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import WAIT, http_trace, open_http_session, sampled_segments, script_tokens, scripted
 
 # Compact JSON after text: an unforced call as a model may write it.
 CALL = 'Let me check.\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
@@ -35,35 +32,9 @@ RESULT = '<tool_call>\n{"name": "final_result", "arguments": {"response": 12}}\n
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache)
     yield s
     s.close()
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
-def open_session(served) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.post("/sessions", body={}, cast_to=object)
-
-
-def session_trace(served, opened: dict) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
-                     options={"headers": {"X-Session-Token": opened["token"]}})
-
-
-def sampled(trajectory: dict) -> list[list[int]]:
-    """The trajectory's sampled segments; the loss mask must cover exactly them."""
-    toks, mask = trajectory["tokens"], trajectory["loss_mask"]
-    spans = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
-    assert mask == [int(any(a <= i < b for a, b in spans)) for i in range(len(toks))]
-    return [toks[a:b] for a, b in spans]
 
 
 async def run_agent(opened: dict, calls: list[str], *, output_type: type = str, streamed: bool = False) -> object:
@@ -95,19 +66,19 @@ async def run_agent(opened: dict, calls: list[str], *, output_type: type = str, 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "streamed"])
 def test_a_tool_using_agent_runs_and_its_session_is_one_exact_trajectory(served, streamed):
     served.engines[0].backend.set_script([CALL, ANSWER])
-    opened, calls = open_session(served), []
+    opened, calls = open_http_session(served), []
     assert asyncio.run(run_agent(opened, calls, streamed=streamed)) == ANSWER
     assert calls == ["Oslo"]
-    [trajectory] = session_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
-    assert sampled(trajectory) == [tokens(served, CALL), tokens(served, ANSWER)]
+    [trajectory] = http_trace(served, opened)["trajectories"]  # the tool loop stayed one trajectory
+    assert sampled_segments(trajectory) == [script_tokens(served, CALL), script_tokens(served, ANSWER)]
 
 
 def test_structured_output_is_a_forced_final_result_call_in_the_same_trajectory(served):
     served.engines[0].backend.set_script([FORCED_CALL, RESULT])
-    opened, calls = open_session(served), []
+    opened, calls = open_http_session(served), []
     assert asyncio.run(run_agent(opened, calls, output_type=int)) == 12
     assert calls == ["Oslo"]
-    trace = session_trace(served, opened)
+    trace = http_trace(served, opened)
     assert len(trace["constrained"]) == 2  # both turns were forced: no text answer is allowed
     [trajectory] = trace["trajectories"]
-    assert sampled(trajectory) == [tokens(served, FORCED_CALL), tokens(served, RESULT)]
+    assert sampled_segments(trajectory) == [script_tokens(served, FORCED_CALL), script_tokens(served, RESULT)]

@@ -34,12 +34,8 @@ import json
 import os
 import subprocess
 
-import openai
 import pytest
-from serving import REPO, WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import REPO, WAIT, http_trace, open_http_session, sampled_segments, script_tokens, scripted
 
 pytestmark = pytest.mark.slow
 
@@ -133,39 +129,13 @@ def venv_python() -> str:
 @pytest.fixture(scope="module")
 def served(model_cache):
     # verifiers' requests carry ~500 prompt tokens; the default context holds them.
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache)
     yield s
     s.close()
 
 
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
 def admitted(served) -> int:
     return served.on_loop(lambda: served.engines[0].stats()["admitted"])
-
-
-def open_session(served) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.post("/sessions", body={}, cast_to=object)
-
-
-def session_trace(served, opened: dict) -> dict:
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
-        return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
-                     options={"headers": {"X-Session-Token": opened["token"]}})
-
-
-def sampled(trajectory: dict) -> list[list[int]]:
-    """The trajectory's sampled segments; the loss mask must cover exactly them."""
-    toks, mask = trajectory["tokens"], trajectory["loss_mask"]
-    spans = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
-    assert mask == [int(any(a <= i < b for a, b in spans)) for i in range(len(toks))]
-    return [toks[a:b] for a, b in spans]
 
 
 def vf_eval(python: str, tmp_path, base_url: str, api_key: str, limit: int) -> list[dict]:
@@ -235,12 +205,12 @@ def test_vf_eval_runs_the_tool_environment_and_scores_it(venv_python, served, tm
 
 def test_a_rollout_on_a_session_base_url_is_one_exact_trajectory(venv_python, served, tmp_path):
     served.engines[0].backend.set_script([CALL["alpha"], ANSWER["alpha"]])
-    opened = open_session(served)
+    opened = open_http_session(served)
     [episode] = vf_eval(venv_python, tmp_path, opened["base_url"], opened["token"], limit=1)
     assert episode["ok"] and episode["traces"][0]["rewards"] == {"correct": {"score": 1.0, "weight": 1.0}}
     assert calls_made(tmp_path) == ["alpha"]
-    trace = session_trace(served, opened)
+    trace = http_trace(served, opened)
     [trajectory] = trace["trajectories"]  # the tool loop stayed one trajectory
-    assert sampled(trajectory) == [tokens(served, CALL["alpha"]), tokens(served, ANSWER["alpha"])]
+    assert sampled_segments(trajectory) == [script_tokens(served, CALL["alpha"]), script_tokens(served, ANSWER["alpha"])]
     tok = served.engines[0].tokenizer
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(trajectory["tokens"], skip_special_tokens=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from serving import WAIT, Served
+from serving import WAIT, Served, script, script_tokens
 
 import rlengine as rle
 from rlengine.serve import ServeConfig
@@ -40,15 +40,6 @@ def client(served):
     c.close()
 
 
-def script(served, *texts: str) -> None:
-    served.engines[0].backend.set_script(list(texts))
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
 def open_session(served) -> dict:
     oa = openai.OpenAI(base_url=served.http_url, api_key=KEY, max_retries=0, timeout=WAIT)
     try:
@@ -62,7 +53,7 @@ def test_text_with_a_system_prompt_and_usage(served, client):
     msg = client.messages.create(model="tiny", max_tokens=32, system="Be brief.", messages=USER)
     assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "end_turn"
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Hello there."
-    assert msg.usage.output_tokens == len(tokens(served, "Hello there."))
+    assert msg.usage.output_tokens == len(script_tokens(served, "Hello there."))
     # The same prompt through Chat Completions: the same rendered tokens.
     oa = openai.OpenAI(base_url=served.http_url, api_key=KEY, max_retries=0, timeout=WAIT)
     chat = oa.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."}, *USER])
@@ -80,7 +71,7 @@ def test_streamed_text_and_tool_use_events(served, client):
     assert [b.type for b in final.content] == ["text", "tool_use"]
     assert final.content[0].text == "Let me check."
     assert final.content[1].name == "get_weather" and final.content[1].input == {"city": "Oslo"}
-    assert final.usage.output_tokens == len(tokens(served, CALL))
+    assert final.usage.output_tokens == len(script_tokens(served, CALL))
 
 
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
@@ -111,7 +102,7 @@ def test_a_tool_result_round_trip_is_one_exact_trajectory_on_the_session_base_ur
                    options={"headers": {"X-Session-Token": opened["token"]}})
     oa.close()
     [trajectory] = trace["trajectories"]
-    toks, sampled_1, sampled_2 = trajectory["tokens"], tokens(served, CALL), tokens(served, "It is sunny in Oslo.")
+    toks, sampled_1, sampled_2 = trajectory["tokens"], script_tokens(served, CALL), script_tokens(served, "It is sunny in Oslo.")
     start = first.usage.input_tokens
     assert toks[start:start + len(sampled_1)] == sampled_1 and toks[-len(sampled_2):] == sampled_2
     tok = served.engines[0].tokenizer

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import WAIT, Served, run_sandbox, sim_config
+from serving import WAIT, Served, rss_mb, run_sandbox, sim_config
 
 import rlengine as rle
 from rlengine import protocol as p
@@ -495,11 +495,6 @@ def test_fuzz_a_server_connection_never_crashes(fuzz_served, data):
 # -- bounded connections: limits, partial frames, idle clients ------------------------------------------------------
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 FLOOD = """
 import socket, struct, sys, time
 path = sys.argv[1]
@@ -525,18 +520,18 @@ def test_partial_frame_floods_are_bounded_timed_out_and_freed():
     s = Served([sim_config()], ServeConfig(http=False, max_buffered_bytes=64 << 20, frame_timeout_s=1.0))
     flood = None
     try:
-        base = _rss_mb()
+        base = rss_mb()
         flood = subprocess.Popen([sys.executable, "-c", FLOOD, s.ipc_path], stdout=subprocess.PIPE, text=True)
         assert flood.stdout.readline().strip() == "sent"
         held = s.on_loop(lambda: s.server.ipc.buffered)
         assert 0 < held <= 64 << 20
-        assert _rss_mb() - base < 64 + 40  # MB: the budget, plus the reads in flight
+        assert rss_mb() - base < 64 + 40  # MB: the budget, plus the reads in flight
         # The partial frames are never completed: after frame_timeout_s every connection is closed.
         deadline = time.monotonic() + WAIT
         while s.on_loop(lambda: len(s.server.ipc.connections)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.on_loop(lambda: (len(s.server.ipc.connections), s.server.ipc.buffered)) == (0, 0)
-        after = _rss_mb()
+        after = rss_mb()
         assert after - base < 24, (base, after)  # MB: the partial frames' memory went back to the system
         with Client(s.ipc_path, timeout=WAIT) as c:  # and the server serves on
             assert c.ping(b"ok") == b"ok"

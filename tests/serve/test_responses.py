@@ -11,10 +11,7 @@ import json
 
 import openai
 import pytest
-from serving import WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import WAIT, script, script_tokens, scripted
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -24,9 +21,7 @@ FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n<
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache)
     yield s
     s.close()
 
@@ -38,15 +33,6 @@ def client(served):
     c.close()
 
 
-def script(served, *texts: str) -> None:
-    served.engines[0].backend.set_script(list(texts))
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-
 def test_text_input_and_instructions(served, client):
     script(served, "Hello there.")
     resp = client.responses.create(model="tiny", instructions="Be brief.", input="Hi!")
@@ -54,7 +40,7 @@ def test_text_input_and_instructions(served, client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
                                                                   {"role": "user", "content": "Hi!"}])
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
-    assert resp.usage.output_tokens == len(tokens(served, "Hello there."))
+    assert resp.usage.output_tokens == len(script_tokens(served, "Hello there."))
 
 
 def test_function_calls_round_trip_in_one_session_as_one_exact_trajectory(served, client):
@@ -74,7 +60,7 @@ def test_function_calls_round_trip_in_one_session_as_one_exact_trajectory(served
     trace = client.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
                        options={"headers": {"X-Session-Token": opened["token"]}})
     [trajectory] = trace["trajectories"]
-    toks, sampled_1, sampled_2 = trajectory["tokens"], tokens(served, CALL), tokens(served, "It is sunny in Oslo.")
+    toks, sampled_1, sampled_2 = trajectory["tokens"], script_tokens(served, CALL), script_tokens(served, "It is sunny in Oslo.")
     start = first.usage.input_tokens
     assert toks[start:start + len(sampled_1)] == sampled_1 and toks[-len(sampled_2):] == sampled_2
     between = served.engines[0].tokenizer.decode(toks[start + len(sampled_1):-len(sampled_2)],

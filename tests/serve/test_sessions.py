@@ -13,7 +13,6 @@ during turns).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
-from serving import WAIT, Served, sim_config
+from serving import WAIT, Served, rss_mb, sim_config
 
 import rlengine as rle
 from rlengine import protocol as p
@@ -426,11 +425,6 @@ def test_session_ids_that_are_only_dots_or_out_of_the_alphabet_are_refused(sim, 
 # -- retention: bounded memory without an operator --------------------------------------------------------------
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def test_ten_thousand_session_cycles_keep_memory_and_never_fill_the_store():
     s = Served([sim_config(gen_len=8, step_time_s=0.0)], ServeConfig(http=False, trace_max_bytes=4 << 20))
     sessions = s.sessions
@@ -445,9 +439,9 @@ def test_ten_thousand_session_cycles_keep_memory_and_never_fill_the_store():
 
     try:
         s._run(cycles(1_000), 300)
-        after_1k, store_1k = _rss_mb(), s.on_loop(lambda: sessions.store.memory_bytes)
+        after_1k, store_1k = rss_mb(), s.on_loop(lambda: sessions.store.memory_bytes)
         s._run(cycles(9_000), 600)  # before retention: "trace store is full" at the 1,572nd
-        after_10k = _rss_mb()
+        after_10k = rss_mb()
         assert s.on_loop(lambda: len(sessions.retired())) <= sessions.retention.max_closed
         assert s.on_loop(lambda: sessions.store.memory_bytes) <= 4 << 20
         assert after_10k - after_1k < 32, (after_1k, after_10k, store_1k)  # MB: tombstones and the retired kept

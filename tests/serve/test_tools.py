@@ -14,10 +14,7 @@ import json
 
 import openai
 import pytest
-from serving import WAIT, Served
-
-import rlengine as rle
-from rlengine.serve import ServeConfig
+from serving import WAIT, script, script_tokens, scripted
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -29,9 +26,7 @@ USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    cfg = rle.EngineConfig(backend="scripted", model_name="tiny", cache_dir=model_cache,
-                           engine_args={"script": ["ok"]})
-    s = Served([cfg], ServeConfig(ipc=False))
+    s = scripted(model_cache)
     yield s
     s.close()
 
@@ -41,15 +36,6 @@ def client(served):
     c = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT)
     yield c
     c.close()
-
-
-def script(served, *texts: str) -> None:
-    served.engines[0].backend.set_script(list(texts))
-
-
-def tokens(served, text: str) -> list[int]:
-    tok = served.engines[0].tokenizer
-    return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
 
 
 def open_session(client) -> tuple[str, dict[str, str]]:
@@ -80,7 +66,7 @@ def test_a_tool_round_trip_in_one_session_is_one_exact_trajectory(served, client
     trace = client.get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": headers})
     [trajectory] = trace["trajectories"]  # the tool loop stayed one trajectory
     toks, mask = trajectory["tokens"], trajectory["loss_mask"]
-    sampled_1, sampled_2 = tokens(served, CALL), tokens(served, "It is sunny in Oslo.")
+    sampled_1, sampled_2 = script_tokens(served, CALL), script_tokens(served, "It is sunny in Oslo.")
     prompt_1 = first.usage.prompt_tokens
     assert toks[prompt_1:prompt_1 + len(sampled_1)] == sampled_1  # what was sampled, not the template's JSON
     assert toks[-len(sampled_2):] == sampled_2
