@@ -341,14 +341,8 @@ def _return_memory() -> None:
     grows by reallocation; once freed, glibc keeps such memory in its arena (its mmap threshold
     rises after the first large free) unless asked. Elsewhere a no-op."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        trim = None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own C library (as sandbox.py)
     if trim is not None:
         trim(0)
 
