@@ -220,7 +220,7 @@ def _chain(prev: bytes, message: dict[str, Any]) -> bytes:
 def _prefix_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[bytes]:
     """The keys of every prefix of ``messages``; the tools are part of every one (they are
     rendered before the first message)."""
-    keys = [b"" if not tools else hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16).digest()]
+    keys = [b"" if not tools else hashlib.blake2b(msgspec.json.encode(tools, order="sorted"), digest_size=16).digest()]
     for m in messages:
         keys.append(_chain(keys[-1], m))
     return keys
