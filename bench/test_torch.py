@@ -260,3 +260,38 @@ def test_constrained_vs_free_decoding_per_token(benchmark, engine):
                             "ratio_constrained_over_free": statistics.median(ratios),
                             "pairs": [round(x, 3) for x in ratios], "target_ratio": CONSTRAINED_TARGET_RATIO})
     assert r["ratio_constrained_over_free"] <= CONSTRAINED_TARGET_RATIO, r
+
+
+# -- batch-invariant vs default decoding ----------------------------------------------------------
+
+BATCH_INVARIANT_TARGET_RATIO = 1.5
+"""What a reproducible run (``TrainConfig.reproducible``, on by default) may cost in decoding."""
+
+
+def test_batch_invariant_vs_default_decoding_per_token(benchmark, engine):
+    """Batch-invariant decoding (fixed 16-row GEMM chunks, key spans in 64-position blocks)
+    against the default path, per generated token, at batch 8 and 32; 10 alternating pairs
+    per batch size, the median of the pairs' ratios."""
+    backends = {False: TorchBackend(engine.model_path), True: TorchBackend(engine.model_path, batch_invariant=True)}
+    pairs: dict[int, list[tuple[float, float]]] = {8: [], 32: []}
+
+    def run() -> None:
+        for batch, got in pairs.items():
+            for b in backends.values():
+                _per_token_s(b, None, 0, batch=batch)  # warm-up
+            for k in range(10):
+                order = (True, False) if k % 2 else (False, True)
+                t = {inv: _per_token_s(backends[inv], None, k + 1, batch=batch) for inv in order}
+                got.append((t[True], t[False]))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    result: dict = {"target_ratio": BATCH_INVARIANT_TARGET_RATIO}
+    for batch, got in pairs.items():
+        ratios = [i / d for i, d in got]
+        result |= {f"batch{batch}_invariant_us_per_token": statistics.median(i for i, _ in got) * 1e6,
+                   f"batch{batch}_default_us_per_token": statistics.median(d for _, d in got) * 1e6,
+                   f"batch{batch}_ratio_invariant_over_default": statistics.median(ratios),
+                   f"batch{batch}_pairs": [round(x, 3) for x in ratios]}
+    r = _record(benchmark, result)
+    for batch in pairs:
+        assert r[f"batch{batch}_ratio_invariant_over_default"] <= BATCH_INVARIANT_TARGET_RATIO, r

@@ -27,6 +27,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     seed: int = 0
     """Seeds the dataset order and every sampling seed (derived per group and attempt)."""
     backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
+    reproducible: bool = True
+    """A seed gives the same run whatever the timing: the torch backend samples batch-invariant
+    (``engine_args["batch_invariant"]``), since a multi-turn or sandboxed run's batches form
+    by timing. False: faster sampling, reproducible only where batches form in a fixed
+    order. vLLM has no batch-invariant mode on CPU: with it, such runs agree only to the
+    last bits of their logprobs, and drift apart from there."""
     cache_dir: str | None = None
     """Where models are built; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
     steps: int | None = None

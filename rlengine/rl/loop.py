@@ -32,7 +32,9 @@ connected by queues:
   When it stops, for whatever reason, it signals the evaluation loop.
 * the **evaluation loop** evaluates the held-out split when asked (at the
   start, every N steps, after the last) and re-checks shutdown after every
-  wake-up.
+  wake-up. It runs beside the next step's rollouts, but the next weight
+  install waits for it, so the evaluation of step k samples policy k alone
+  (its ``version_min`` = ``version_max`` = k), whatever the timing.
 
 Shutdown is a cascade, never a hope. A normal end flows down the chain
 above. Any stage raising (or ``interrupt``, for signals) records the first
@@ -122,6 +124,8 @@ class TrainingRun:
         self._finished = False
         self._eval_requested: set[int] = set(evaluated)
         """Steps evaluated or asked for (a resumed run starts with those its eval log holds)."""
+        self._evals_open = 0
+        """Evaluations asked for and not yet finished: the next weight install waits for them."""
         self._failure_window: deque[tuple[int, int, int, int]] = deque(maxlen=self.cfg.failure_window_steps)
         """(attempts failed, attempts, groups untrained for too few survivors, groups) of the last steps."""
         self._v0 = 0
@@ -176,6 +180,8 @@ class TrainingRun:
         self.work_q: asyncio.Queue[Any] = asyncio.Queue()
         self.results_q: asyncio.Queue[Any] = asyncio.Queue()
         self.eval_q: asyncio.Queue[Any] = asyncio.Queue()
+        self._evals_settled = asyncio.Event()
+        self._evals_settled.set()
         self.training = self.engine.training_client()
         self._clock0 = time.monotonic() - self._elapsed0
         if self.resume is not None:
@@ -385,6 +391,9 @@ class TrainingRun:
                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm)
         optims = batch.submit(adam)
         if optims:
+            # The evaluation of step k samples policy k only: the install waits for it.
+            if await self._until_aborted(self._evals_settled.wait()) is None:
+                return False
             install = self.training.save_weights_for_sampler()
             outputs = [(await self._call(f), idx) for f, idx in batch.fb]
             optim_outs = [await self._call(o) for o in optims]
@@ -438,6 +447,8 @@ class TrainingRun:
     def _request_eval(self, step: int) -> None:
         if step not in self._eval_requested:
             self._eval_requested.add(step)
+            self._evals_open += 1
+            self._evals_settled.clear()
             self.eval_q.put_nowait(step)
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -471,6 +482,9 @@ class TrainingRun:
             if record is None:
                 return
             self.log.evaluation(record)
+            self._evals_open -= 1
+            if not self._evals_open:
+                self._evals_settled.set()
             if self.on_eval is not None:
                 self.on_eval(record)
 

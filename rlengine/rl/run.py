@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from rlengine.backends import resolve_backend
 from rlengine.core.config import EngineConfig
 from rlengine.core.engine import Engine, new_event_loop
 from rlengine.errors import ConfigurationError
@@ -119,11 +120,15 @@ def _store_config(run_dir: str, recipe: str, config: TrainConfig, options: Any) 
 
 def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     """The recipe's engine settings plus what the run needs: seed, drain policy, room for
-    every sequence a step may have in flight, and a close no longer than the grace period."""
+    every sequence a step may have in flight, a close no longer than the grace period, and
+    batch-invariant sampling on the torch backend for a reproducible run."""
     in_flight = config.groups_per_batch * config.group_size * (config.max_steps_off_policy + 1)
+    engine_args = base.engine_args
+    if config.reproducible and resolve_backend(base) == "torch":
+        engine_args = {**(engine_args or {}), "batch_invariant": True}
     return msgspec.structs.replace(base, seed=config.seed, drain_policy=config.drain_policy,
                                    close_timeout_s=min(base.close_timeout_s, config.shutdown_grace_s),
-                                   max_num_seqs=max(base.max_num_seqs, in_flight))
+                                   max_num_seqs=max(base.max_num_seqs, in_flight), engine_args=engine_args)
 
 
 def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume: bool = False,

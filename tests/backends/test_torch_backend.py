@@ -313,6 +313,56 @@ def test_short_request_leaves_while_a_long_one_runs_and_a_late_one_joins(tiny_mo
         assert tokens[rid] == solo(tiny_model, req), rid  # batching never changes a request's tokens
 
 
+def _run_with_neighbours(backend: TorchBackend, target: BackendRequest, rng: np.random.Generator | None,
+                         ) -> tuple[list[int], list[float], list[float] | None]:
+    """``target``'s tokens, logprobs and prompt logprobs, run alone (``rng`` None) or among
+    random neighbours (random prompt lengths, a third of them the target's, sampled or
+    greedy, joining at random steps)."""
+    joins: dict[int, list[BackendRequest]] = {}
+    target_length = len(target.prompt) // 4
+    if rng is not None:
+        for n in range(int(rng.integers(5, 40))):
+            length = target_length if rng.random() < 1 / 3 else int(rng.integers(1, 150))
+            prompt = rng.integers(1, 1000, size=length).tolist()
+            temperature = float(rng.choice([0.0, 0.7, 1.0]))
+            joins.setdefault(int(rng.integers(0, 30)), []).append(
+                request(f"n{n}", prompt, int(rng.integers(1, 60)), seed=n, temperature=temperature))
+    start = int(rng.integers(0, 10)) if rng is not None else 0
+    joins.setdefault(start, []).append(target)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    prompt_lps: list[float] | None = None
+    step = 0
+    while joins or backend.has_unfinished_requests():
+        for req in joins.pop(step, []):
+            backend.add_request(req)
+        for out in backend.step():
+            if out.request_id == target.request_id:
+                tokens += out.token_ids
+                logprobs += out.logprobs
+                prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
+        step += 1
+    return tokens, logprobs, prompt_lps
+
+
+def test_batch_invariant_mode_gives_every_request_the_same_bits_whatever_shares_its_batches(tiny_model):
+    """Multi-turn runs batch by timing: in batch-invariant mode a request's tokens, logprobs and
+    prompt logprobs are bitwise those of a solo run, among any neighbours (more than one row
+    chunk, key spans past one block). (The default mode differs here in the last bits.)"""
+    target = request("t", PROMPTS[1] * 7, 90, seed=11, temperature=1.0, prompt_logprobs=True)
+    alone = _run_with_neighbours(TorchBackend(tiny_model, batch_invariant=True), target, None)
+    assert len(alone[0]) == 90 and len(alone[2]) == len(PROMPTS[1]) * 7 - 1
+    backend = TorchBackend(tiny_model, batch_invariant=True)
+    for trial in range(4):
+        crowded = _run_with_neighbours(backend, target, np.random.default_rng(trial))
+        assert crowded[0] == alone[0], trial
+        assert crowded[1] == alone[1], trial  # bitwise: == on floats
+        assert crowded[2] == alone[2], trial
+    # The mode changes no numbers beyond rounding: it agrees with the default path.
+    default = _run_with_neighbours(TorchBackend(tiny_model), target, None)
+    np.testing.assert_allclose(alone[1][:20], default[1][:20], atol=1e-5)
+
+
 def test_max_num_seqs_caps_the_running_batch(tiny_model):
     backend = TorchBackend(tiny_model, max_num_seqs=2)
     for i, n in enumerate((3, 6, 4)):

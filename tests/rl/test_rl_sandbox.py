@@ -228,6 +228,42 @@ def test_guess_recipe_learns_the_rules_within_20_steps(tmp_path, model_cache):
     assert invalid_last <= invalid_first / 2, [s["env/invalid"] for s in steps]
 
 
+_TIMING = ("sampler_idle_frac", "step_time_s", "time_s", "tokens_per_s", "train_time_s", "eval_time_s")
+"""The only columns that may differ between two runs of one seed: they measure time."""
+
+
+def _untimed(path) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in _TIMING} for row in read_jsonl(str(path))]
+
+
+def test_guess_runs_of_one_seed_are_identical_whatever_the_timing_and_across_a_resume(tmp_path, model_cache):
+    """Sandboxes that wait a random time before each guess reorder the engine's batches in
+    every run; the sampler (batch-invariant) and the trainer must not notice. Without
+    ``reproducible`` (the torch backend's default batching) two such runs differ from the
+    first step on (loss_sum -0.24224756 vs -0.24224665)."""
+    settings = {"steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_every": 2, "think_s": 0.02,
+                "backend": "torch", "cache_dir": model_cache, "seed": 7}
+    runs = {}
+    for name in ("a", "b"):
+        outcome = train("guess", settings, run_dir=str(tmp_path / name))
+        assert outcome.error is None, outcome.error
+        runs[name] = tmp_path / name
+    # Stopped after a checkpoint at step 2, then resumed to the end.
+    stopped = train("guess", settings | {"steps": 2, "checkpoint_every": 2}, run_dir=str(tmp_path / "c"))
+    assert stopped.error is None, stopped.error
+    resumed = train(None, {"steps": 4}, run_dir=str(tmp_path / "c"), resume=True)
+    assert resumed.error is None and resumed.resumed_from == 2, resumed.error
+    runs["c"] = tmp_path / "c"
+    want = _untimed(runs["a"] / "metrics.jsonl")
+    assert [r["step"] for r in want] == [1, 2, 3, 4] and sum(r["groups_trained"] for r in want) > 0
+    evals = read_jsonl(str(runs["a"] / "eval.jsonl"))
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert all(e["version_min"] == e["version_max"] == e["step"] for e in evals), evals  # policy k only
+    for name in ("b", "c"):
+        assert _untimed(runs[name] / "metrics.jsonl") == want, name  # every float, bitwise
+        assert _untimed(runs[name] / "eval.jsonl") == _untimed(runs["a"] / "eval.jsonl"), name
+
+
 PROBE = """
 import ctypes, os, sys
 from rlengine.rl.sandbox import worker_main

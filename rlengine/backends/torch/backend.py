@@ -120,7 +120,7 @@ class TorchBackend:
 
     def __init__(self, model_path: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 prefill_tokens: int = 8192) -> None:
+                 prefill_tokens: int = 8192, batch_invariant: bool = False) -> None:
         self.threads = configure_threads()
         self.device = device or torch.device("cpu")
         self.dtype = dtype
@@ -143,7 +143,7 @@ class TorchBackend:
         self.eos_ids = self._eos_ids(model)
         self.tokenizer = self._load_tokenizer(model_path)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        self.runner = DecoderRunner(model, self.max_model_len)
+        self.runner = DecoderRunner(model, self.max_model_len, batch_invariant=batch_invariant)
         why = ("CPU: there is no accelerator memory to release" if self.device.type == "cpu" else
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
@@ -231,6 +231,8 @@ class TorchBackend:
                     s.length += 1
                 self._emit(running, 0, logits, [None] * len(running), outputs, finished)
             joiners = self._admit()
+            if self.runner.batch_invariant:
+                joiners.sort(key=lambda s: len(s.prompt))  # equal lengths prefill together
             if joiners:
                 first = len(running)
                 running.extend(joiners)
@@ -386,4 +388,5 @@ def build(config: Any, model_path: str | None) -> TorchBackend:
         raise ConfigurationError("backend='torch' needs a model directory (model='tiny' or a local path)")
     args = engine_args(config)
     return TorchBackend(model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                        dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"])
+                        dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"],
+                        batch_invariant=args["batch_invariant"])

@@ -16,6 +16,20 @@ over its own cache:
   writes their K/V into fresh slots; ``decode`` runs one token for every
   live slot in one batch, each at its own position, with a padding mask.
 
+Batch invariance (``batch_invariant=True``): by default a sequence's logits
+depend, in the last bits, on what else shares its batch (CPU GEMM kernels
+pick their blocking, and with it the order of each dot product, from the
+number of rows; attention's reductions depend on the padded key span), so a
+multi-turn run whose batches form by timing cannot be reproduced from its
+seed. In this mode every row is computed the same way whatever its
+neighbours: projections and MLPs run on fixed chunks of ``_ROW_CHUNK`` rows
+(the last one zero-padded), decode attends over a key span rounded up to a
+multiple of ``_SPAN_BLOCK`` (masked keys add exact zeros), and prompts are
+prefilled in runs of one length (no padding; the backend admits them sorted by
+length). Measured bitwise on CPU
+(``tests/backends/test_torch_backend.py``); it costs speed
+(``bench/RESULTS.md``), so it is an option (``engine_args["batch_invariant"]``).
+
 Masked cache positions must hold finite values (0 * NaN would poison the
 attention output), so buffers start zeroed and only ever receive computed
 K/V. The trainer does not use this module: it runs the HF model's own
@@ -28,6 +42,7 @@ Every method runs on the engine's compute thread.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -40,6 +55,10 @@ __all__ = ["DecoderRunner", "KVSlots"]
 _MIN_LEN_CAP = 256
 _LOGIT_CHUNK = 1024
 """Positions per LM-head chunk for prompt logprobs: bounds the [n, vocab] logits held at once."""
+_ROW_CHUNK = 16
+"""Rows per projection call in batch-invariant mode (one GEMM shape for every row)."""
+_SPAN_BLOCK = 64
+"""Batch-invariant decode attends over a multiple of this many key positions."""
 
 
 class KVSlots:
@@ -95,6 +114,27 @@ class KVSlots:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _in_row_chunks(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a row-wise module: projection, MLP, LM head) over the rows of ``x`` [..., d] in
+    chunks of ``_ROW_CHUNK``, the last zero-padded: every row goes through one GEMM shape."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, d)
+    n = rows.shape[0]
+    pad = -n % _ROW_CHUNK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, d)])
+    out = torch.cat([fn(chunk) for chunk in rows.split(_ROW_CHUNK)])
+    return out[:n].reshape(*lead, out.shape[-1])
+
+
+def _direct(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -103,8 +143,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class DecoderRunner:
     """Prefill and decode for a Llama-style HF causal LM; see the module docstring."""
 
-    def __init__(self, model: Any, max_len: int) -> None:
+    def __init__(self, model: Any, max_len: int, *, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         try:
             inner = model.model
             self.embed = inner.embed_tokens
@@ -122,24 +163,28 @@ class DecoderRunner:
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         param = next(model.parameters())
-        self.cache = KVSlots(len(self.layers), self.n_kv_heads, self.head_dim, max_len, param.dtype, param.device)
+        # Batch-invariant decode rounds its key span up to a whole block, past max_len if need be.
+        cache_len = _round_up(max_len, _SPAN_BLOCK) if batch_invariant else max_len
+        self.cache = KVSlots(len(self.layers), self.n_kv_heads, self.head_dim, cache_len, param.dtype, param.device)
         self.device = param.device
 
     # -- the decoder layers ----------------------------------------------------------
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                store: Any) -> torch.Tensor:
+                store: Any, rows: Any = None) -> torch.Tensor:
         """Run every layer on ``x`` [B, L, hidden]; ``store(layer, k, v)`` writes the new K/V
-        into the cache and returns the keys/values to attend over."""
+        into the cache and returns the keys/values to attend over; ``rows(fn, h)`` applies a
+        row-wise module (default: directly; ``_in_row_chunks`` for batch invariance)."""
+        rows = rows or _direct
         b, n, _ = x.shape
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, n, self.n_heads, self.head_dim)
-            k = attn.k_proj(h).view(b, n, self.n_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q = rows(attn.q_proj, h).view(b, n, self.n_heads, self.head_dim)
+            k = rows(attn.k_proj, h).view(b, n, self.n_kv_heads, self.head_dim)
+            v = rows(attn.v_proj, h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
             if self.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -148,8 +193,8 @@ class DecoderRunner:
             keys, values = store(index, k, v)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + rows(attn.o_proj, out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+            x = x + rows(layer.mlp, layer.post_attention_layernorm(x))
         return self.norm(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -162,6 +207,24 @@ class DecoderRunner:
         """Run new prompts into slots ``first_slot..``; returns the float32 logits of
         each prompt's last position [B, vocab] and, where asked, the logprob of
         every prompt token after the first."""
+        if not self.batch_invariant:
+            return self._prefill(prompts, first_slot, want_prompt_logprobs, _direct)
+        # Each run of equal-length prompts on its own, rows in fixed chunks: no padding, so a
+        # prompt's numbers are its own whatever is prefilled with it.
+        logits: list[torch.Tensor] = []
+        prompt_logprobs: list[list[float] | None] = []
+        start = 0
+        for _, run in itertools.groupby(prompts, key=len):
+            n = len(list(run))
+            part, lps = self._prefill(prompts[start:start + n], first_slot + start,
+                                      want_prompt_logprobs[start:start + n], _in_row_chunks)
+            logits.append(part)
+            prompt_logprobs += lps
+            start += n
+        return torch.cat(logits), prompt_logprobs
+
+    def _prefill(self, prompts: list[list[int]], first_slot: int, want_prompt_logprobs: list[bool],
+                 rows: Any) -> tuple[torch.Tensor, list[list[float] | None]]:
         b = len(prompts)
         lengths = [len(p) for p in prompts]
         n = max(lengths)
@@ -188,7 +251,7 @@ class DecoderRunner:
             cache.v[layer][first_slot:first_slot + b, :, :n] = v
             return k, v
 
-        hidden = self._layers(self.embed(ids), positions, mask, store)
+        hidden = self._layers(self.embed(ids), positions, mask, store, rows)
         last = hidden[torch.arange(b, device=self.device), torch.as_tensor(lengths, device=self.device) - 1]
         prompt_logprobs: list[list[float] | None] = []
         for i, want in enumerate(want_prompt_logprobs):
@@ -197,7 +260,7 @@ class DecoderRunner:
                 continue
             targets = ids[i, 1:lengths[i]]
             prompt_logprobs.append(self.target_logprobs(hidden[i, :lengths[i] - 1], targets).tolist())
-        return self._logits(last), prompt_logprobs
+        return rows(self.lm_head, last).float(), prompt_logprobs
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log_softmax(logits)[target] per position, in chunks of positions."""
@@ -212,7 +275,7 @@ class DecoderRunner:
         """One token for each live slot ``0..S-1``: ``tokens[i]`` goes at position
         ``lengths[i]``; ``max_length`` is ``max(lengths)``. Returns float32 logits [S, vocab]."""
         s = tokens.shape[0]
-        span = max_length + 1
+        span = _round_up(max_length + 1, _SPAN_BLOCK) if self.batch_invariant else max_length + 1
         self.cache.reserve(s, span)
         cache = self.cache
         rows = torch.arange(s, device=self.device)
@@ -224,5 +287,8 @@ class DecoderRunner:
             cv[rows, :, lengths] = v[:, :, 0]
             return ck[:s, :, :span], cv[:s, :, :span]
 
-        hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], mask, store)
-        return self._logits(hidden[:, 0])
+        if not self.batch_invariant:
+            hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], mask, store)
+            return self._logits(hidden[:, 0])
+        hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], mask, store, _in_row_chunks)
+        return _in_row_chunks(self.lm_head, hidden[:, 0]).float()

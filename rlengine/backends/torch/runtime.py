@@ -31,11 +31,15 @@ ENGINE_ARGS: dict[str, object] = {
     "device": None,
     "prefill_tokens": 8192,
     "micro_batch_tokens": 8192,
+    "batch_invariant": False,
 }
 """``EngineConfig.engine_args`` understood by the torch backend and trainer, with defaults:
 ``device`` (None: CUDA if available, else CPU); ``prefill_tokens``, the padded
 prompt tokens one prefill batch may hold (at least one whole prompt always
-fits); ``micro_batch_tokens``, the padded tokens per trainer forward pass."""
+fits); ``micro_batch_tokens``, the padded tokens per trainer forward pass;
+``batch_invariant``, a sequence's tokens and logprobs bitwise independent of
+what shares its batches (``decoder``; slower), which multi-turn runs need to be
+reproducible from their seed."""
 
 
 def configure_threads() -> int:
@@ -58,6 +62,8 @@ def engine_args(config: Any) -> dict[str, Any]:
         v = args[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigurationError(f"engine_args[{name!r}]={v!r}: must be an integer >= 1")
+    if not isinstance(args["batch_invariant"], bool):
+        raise ConfigurationError(f"engine_args['batch_invariant']={args['batch_invariant']!r}: must be true or false")
     return args
 
 

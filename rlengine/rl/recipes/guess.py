@@ -50,6 +50,9 @@ class GuessOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Fault injection: every n-th attempt's sandbox exits mid-game (0: never)."""
     job_timeout_s: float = 60.0
     """Longest one game may take in its sandbox."""
+    think_s: float = 0.0
+    """Fault injection: before each guess the sandbox waits a random time in [0, think_s)
+    (not drawn from the seed: an agent's varying latency, which reorders the engine's batches)."""
 
     def __post_init__(self) -> None:
         for name, low in (("sandboxes", 1), ("crash_every", 0)):
@@ -59,6 +62,8 @@ class GuessOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if isinstance(self.job_timeout_s, bool) or not isinstance(self.job_timeout_s, (int, float)) \
                 or not self.job_timeout_s > 0:
             raise ConfigurationError(f"job_timeout_s={self.job_timeout_s!r}: must be > 0")
+        if isinstance(self.think_s, bool) or not isinstance(self.think_s, (int, float)) or not self.think_s >= 0:
+            raise ConfigurationError(f"think_s={self.think_s!r}: must be >= 0")
 
 
 class _World:
@@ -74,7 +79,7 @@ class _World:
         if self.pool is None:
             raise RuntimeError("the guess recipe's sandboxes are not running (Recipe.attach was not entered)")
         self._attempts += 1
-        task: dict[str, Any] = {"secret": secret}
+        task: dict[str, Any] = {"secret": secret, "think_s": self.options.think_s}
         every = self.options.crash_every
         if every and self._attempts % every == 0:
             task["crash_at_turn"] = 1
@@ -131,7 +136,7 @@ class GuessGame(Recipe):
         "steps": 300, "groups_per_batch": 16, "group_size": 8, "max_tokens": 1, "max_turns": 4,
         "temperature": 1.0, "loss_fn": "ppo", "entropy_coef": 0.05, "learning_rate": 2e-3, "num_substeps": 4,
         "grad_clip_norm": 1.0, "skip_constant_reward": True, "eval_every": 25, "eval_temperature": 0.0,
-        "min_surviving_attempts": 2,
+        "min_surviving_attempts": 2, "backend": "torch",
     }
     Options = GuessOptions
 

@@ -11,7 +11,9 @@ session: 1.0 when the secret was found, else 0.0.
 
 A job with ``"crash_at_turn": k`` makes the process exit abruptly before
 turn ``k`` (fault injection: the trainer must fail that attempt, replace
-the sandbox and go on).
+the sandbox and go on); ``"think_s": t`` waits a random time in [0, t)
+before each guess (an agent's varying latency: the engine's batches then
+form differently in every run, which must not change what is trained).
 
 It talks to the trainer only through the IPC client (``rlengine.sandbox_client``)
 and its job lines, as a sandbox on another machine would; it imports no
@@ -20,7 +22,9 @@ torch and no engine.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 from typing import Any
 
 ALPHABET = "0123456789<>?$"
@@ -41,7 +45,7 @@ def answer(secret: int, guess: int) -> int:
 async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
     session = client.session(job["session"], job["token"])
     task = job["task"]
-    secret, crash_at = int(task["secret"]), task.get("crash_at_turn")
+    secret, crash_at, think_s = int(task["secret"]), task.get("crash_at_turn"), float(task.get("think_s", 0.0))
     sampling = job["sampling"]
     tokens = [START]
     found = invalid = False
@@ -49,6 +53,8 @@ async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
     for turn in range(int(job["max_turns"])):
         if crash_at is not None and turn == crash_at:
             os._exit(3)
+        if think_s:
+            await asyncio.sleep(random.random() * think_s)  # timing noise, not a secret
         reply = await session.generate(tokens, max_tokens=1, temperature=sampling["temperature"],
                                        top_p=sampling["top_p"], top_k=sampling["top_k"],
                                        seed=(int(job["seed"]) * 1_000_003 + turn) % (1 << 63))
