@@ -31,11 +31,19 @@ resource limits (address space, open files, no core files; CPU time when
 set), and makes itself non-dumpable before it reads a job (``worker_main``),
 so a sibling of the same user cannot read its memory or environment through
 ``/proc``. A trainer running as root (as CI does) starts each worker slot
-under an unprivileged uid of its own, so a worker reads neither a sibling's
-memory nor the trainer's files and environment. Session tokens reach a
+through ``_confine``: limits set, then an unprivileged uid of its own, so a
+worker reads neither a sibling's memory nor the trainer's files and
+environment; what it needs from directories closed to other users (Python
+under a 0700 ``/root``) is mounted back read-only in a mount namespace of its
+own, where the rest of those directories is an empty tmpfs. (Where the
+kernel refuses the namespace, it runs as uid 0 with no capability at all:
+memory and environments stay private, root's files do not.) A worker module
+must be in a directory other users can read. A non-root trainer's own
+environment stays readable by its same-uid workers (it is dumpable): keep
+secrets out of it, or run as root. Session tokens reach a
 worker only in job lines on its stdin, never in argv or the environment.
-Stronger isolation (namespaces, bubblewrap) is the system's: run the
-trainer itself under it.
+Stronger isolation (pid and network namespaces, bubblewrap) is the system's:
+run the trainer itself under it.
 
 Job lines: ``{"id": n, "session": ..., "token": ..., "task": ..., "sampling":
 {...}, "seed": ..., "max_turns": ...}``; answers: ``{"id": n, "ok": true,
@@ -88,44 +96,60 @@ _UID_SLOTS = 100
 """A root trainer runs worker slot i as uid ``_UID_BASE + (pid % 1000) * _UID_SLOTS + i % _UID_SLOTS``."""
 
 
-_DROP = ("import os, sys; os.setgroups([]); os.setgid({uid}); os.setuid({uid}); "
-         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+_CONFINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_confine.py")
 
 
-def _unreachable_by_others() -> str | None:
-    """The first path a worker under another uid would need (the interpreter, the standard library,
-    rlengine) that other users cannot reach; None when all are reachable."""
-    import rlengine
-
-    needed = [os.path.realpath(sys.executable), os.path.realpath(os.__file__),
-              os.path.realpath(rlengine.__file__)]
-    for path in needed:
-        part = path
-        while True:
-            try:
-                mode = os.stat(part).st_mode
-            except OSError:
-                return part
-            need = 0o005 if os.path.isdir(part) else 0o004
-            if mode & need != need:
-                return part
-            parent = os.path.dirname(part)
-            if parent == part:
-                break
-            part = parent
-    return None
+def _reachable(path: str) -> bool:
+    """Whether other users can traverse a directory (or read a file) at ``path``."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    need = 0o005 if os.path.isdir(path) else 0o004
+    return mode & need == need
 
 
-def _limit(pid: int, limits: dict[str, int | None]) -> None:
-    """Resource limits for a new worker (set from outside: no code runs between fork and exec)."""
+def _reachable_all(path: str) -> bool:
+    """Whether other users can reach ``path`` through every directory above it, and it too."""
+    parts = path.split(os.sep)
+    return all(_reachable(os.sep.join(parts[:i]) or os.sep) for i in range(1, len(parts) + 1))
+
+
+def _hidden(needed: list[str]) -> dict[str, list[str]]:
+    """For the directories a worker under another uid needs: the topmost directory on each one's
+    path that other users cannot traverse, mapped to the needed directories under it (what
+    ``_confine.hide`` mounts back for the worker). A needed directory that is itself closed to
+    others is left out: mounting it back would not open it."""
+    dirs = sorted({os.path.realpath(d) for d in needed if os.path.isdir(d)})
+    dirs = [d for d in dirs if not any(d != o and d.startswith(o + os.sep) for o in dirs)]
+    plan: dict[str, list[str]] = {}
+    for d in dirs:
+        parts = d.split(os.sep)
+        top = next((os.sep.join(parts[:i]) or os.sep for i in range(2, len(parts))
+                    if not _reachable(os.sep.join(parts[:i]))), None)
+        if top is not None and _reachable(d):
+            plan.setdefault(top, []).append(d)
+    return plan
+
+
+def _rlimits(limits: dict[str, int | None]) -> list[tuple[int, int]]:
+    """(resource, value) for every limit set: no core files, open files, address space, CPU time."""
     import resource
 
     settings = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, limits["open_files"]),
                 (resource.RLIMIT_AS, limits["address_space_bytes"]), (resource.RLIMIT_CPU, limits["cpu_seconds"])]
-    for which, value in settings:
-        if value is not None:
-            with contextlib.suppress(ProcessLookupError):  # it died already: its exit says why
-                resource.prlimit(pid, which, (value, value))
+    return [(which, value) for which, value in settings if value is not None]
+
+
+def _limit(pid: int, limits: dict[str, int | None]) -> None:
+    """Resource limits for a new worker of the trainer's own uid, set from outside (uvloop runs no
+    code between fork and exec). A root trainer's workers set them themselves (``_confine``),
+    before they give up root: from outside, limiting another uid's process needs CAP_SYS_RESOURCE."""
+    import resource
+
+    for which, value in _rlimits(limits):
+        with contextlib.suppress(ProcessLookupError):  # it died already: its exit says why
+            resource.prlimit(pid, which, (value, value))
 
 
 def _not_dumpable() -> None:
@@ -171,16 +195,8 @@ class SandboxPool:
         """Variables a worker gets beyond the allow-list (nothing else of the trainer's environment)."""
         self.limits = {"address_space_bytes": address_space_bytes, "open_files": open_files,
                        "cpu_seconds": cpu_seconds}
-        self._uid_base: int | None = None
-        if os.geteuid() == 0:
-            blocked = _unreachable_by_others()
-            if blocked is None:
-                self._uid_base = _UID_BASE + (os.getpid() % 1000) * _UID_SLOTS
-            else:
-                log.warning("rlengine.rl: sandbox workers run as root, not under uids of their own: %s is not "
-                            "readable by other users (so they could not run Python); as root they can read each "
-                            "other's memory and the trainer's environment. Install Python where other users can "
-                            "read it, or run the trainer as an unprivileged user.", blocked)
+        self._uid_base = _UID_BASE + (os.getpid() % 1000) * _UID_SLOTS if os.geteuid() == 0 else None
+        self._warned = False
         self.size = size
         self.args = args
         self.job_timeout_s = job_timeout_s
@@ -201,12 +217,35 @@ class SandboxPool:
             await self._spawn(i)
         return self
 
-    def _worker_env(self, workdir: str) -> dict[str, str]:
+    @staticmethod
+    def _import_paths() -> list[str]:
+        """Where rlengine and the environment module import from; nothing secret."""
         import rlengine
 
-        # Where rlengine and the environment module import from; nothing secret.
-        paths = [os.path.dirname(os.path.dirname(os.path.abspath(rlengine.__file__))), os.getcwd(),
-                 *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        return [os.path.dirname(os.path.dirname(os.path.abspath(rlengine.__file__))), os.getcwd(),
+                *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+
+    def _confinement(self, uid: int, workdir: str) -> tuple[str, ...]:
+        """The arguments that start a root trainer's worker through ``_confine`` (under ``uid``,
+        what it needs of directories closed to others mounted back for it)."""
+        import site
+
+        needed = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+                  *site.getsitepackages(), *self._import_paths()]
+        hidden = _hidden(needed)
+        kept = [d for dirs in hidden.values() for d in dirs]
+        closed = sorted(d for d in {os.path.realpath(p) for p in self._import_paths() if os.path.isdir(p)}
+                        if not _reachable_all(d) and not any(d == k or d.startswith(k + os.sep) for k in kept))
+        if closed and not self._warned:
+            self._warned = True
+            log.warning("rlengine.rl: sandbox workers run under uid %d and cannot read %s (closed to other "
+                        "users): a worker module there cannot be imported", uid, ", ".join(closed))
+        plan = {"uid": uid, "hide": hidden, "stage": os.path.join(workdir, ".confine"),
+                "limits": _rlimits(self.limits)}
+        return ("-I", _CONFINE, _encode(plan).decode())
+
+    def _worker_env(self, workdir: str) -> dict[str, str]:
+        paths = self._import_paths()
         env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
                "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1"}
         env |= {k: os.environ[k] for k in THREAD_VARIABLES if k in os.environ}  # the trainer's thread settings
@@ -223,11 +262,11 @@ class SandboxPool:
             conn.setblocking(False)
             await asyncio.get_running_loop().sock_connect(conn, self.socket_path)
             conn.setblocking(True)
-            # Under a uid of its own, a root trainer's worker gives up root before Python runs any of
-            # its code (uvloop's subprocess_exec takes no user=): a one-line exec wrapper.
-            drop = () if uid is None else ("-c", _DROP.format(uid=uid))
+            # A root trainer's worker gives up root before any of its own code runs
+            # (``_confine``, which then execs the worker's command line).
+            confine = () if uid is None else self._confinement(uid, workdir)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, *drop, "-m", self.module, f"fd:{conn.fileno()}", *self.args,
+                sys.executable, *confine, "-m", self.module, f"fd:{conn.fileno()}", *self.args,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(conn.fileno(),),
                 cwd=workdir, env=self._worker_env(workdir))
         except BaseException:
@@ -235,7 +274,14 @@ class SandboxPool:
             raise
         finally:
             conn.close()  # the worker holds its own copy
-        _limit(proc.pid, self.limits)
+        if uid is None:
+            try:
+                _limit(proc.pid, self.limits)
+            except BaseException:
+                proc.kill()  # never a worker nobody ends
+                await proc.wait()
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise
         self.spawned += 1
         worker = _Worker(index, proc, workdir)
         worker.reader = asyncio.get_running_loop().create_task(self._read(worker),
@@ -262,12 +308,13 @@ class SandboxPool:
                     break
                 try:
                     answer = _decode(line)
-                    future = worker.pending.pop(answer["id"])
+                    future = worker.pending.pop(answer["id"], None)
                 except (msgspec.DecodeError, KeyError, TypeError) as exc:
                     error = f"sandbox {worker.index}: unreadable answer {line[:200]!r} ({exc})"
                     worker.proc.kill()
                     break
-                if not future.done():
+                # None: a job that timed out or whose caller gave up; its late answer is dropped.
+                if future is not None and not future.done():
                     future.set_result(answer)
         finally:
             worker.dead = True

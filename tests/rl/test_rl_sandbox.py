@@ -62,6 +62,8 @@ WORKER = textwrap.dedent("""
         kind = job["task"]
         if kind == "hang":
             await asyncio.sleep(3600)
+        if kind == "slow":
+            await asyncio.sleep(1.0)
         if kind == "crash":
             os._exit(7)
         if kind == "raise":
@@ -75,6 +77,7 @@ WORKER = textwrap.dedent("""
 @pytest.fixture
 def worker_module(tmp_path, monkeypatch):
     (tmp_path / "fake_sandbox.py").write_text(WORKER)
+    tmp_path.chmod(0o755)  # a root trainer's workers run under uids of their own
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     return "fake_sandbox"
 
@@ -101,6 +104,10 @@ def test_pool_answers_contains_failures_and_replaces_crashed_workers(worker_modu
                 assert pool.crashed == 1 and pool.spawned == 3
                 short = SandboxPool(worker_module, 1, job_timeout_s=0.5, grace_s=0.5)
                 await short.start(server.ipc_path)
+                with pytest.raises(SandboxError, match="no answer within job_timeout_s=0.5"):
+                    await short.run({"task": "slow"})
+                await asyncio.sleep(1.0)  # its answer arrives late: dropped, and the worker lives on
+                assert (await short.run({"task": "v"}))["echo"] == "v" and short.crashed == 0
                 with pytest.raises(SandboxError, match="no answer within job_timeout_s=0.5"):
                     await short.run({"task": "hang"})
                 loop = asyncio.get_running_loop()
@@ -274,6 +281,7 @@ async def play(client, job):
             "cwd_mode": oct(os.stat(".").st_mode & 0o777), "dumpable": libc.prctl(3, 0, 0, 0, 0),
             "cmdline": open("/proc/self/cmdline").read().split("\\0"), "limits": open("/proc/self/limits").read(),
             "token_in_env": any(job["token"] in v for v in os.environ.values()), "uid": os.getuid(),
+            "caps": open("/proc/self/status").read().split("CapEff:")[1].split()[0],
             "pong": (await client.ping(b"x")).decode()}
 
 if __name__ == "__main__":
@@ -283,6 +291,7 @@ if __name__ == "__main__":
 
 def test_sandbox_workers_are_confined(tmp_path, monkeypatch):
     (tmp_path / "probe_sandbox.py").write_text(PROBE)
+    tmp_path.chmod(0o755)  # a worker under a uid of its own imports its module from here
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("RLENGINE_TEST_SECRET", "hunter2")  # the trainer's environment holds a secret
 
@@ -316,11 +325,83 @@ def test_sandbox_workers_are_confined(tmp_path, monkeypatch):
         assert limits["Max open files"] == "256" and limits["Max core file size"] == "0"
         assert limits["Max address space"] == str(4 << 30)
     assert len({f["cwd"] for f in facts}) == 2
-    # A root trainer runs each worker slot under a uid of its own, where other users can run Python
-    # at all; where they cannot (an interpreter under a 0700 /root), workers stay root and it warns.
-    from rlengine.rl.sandbox import _unreachable_by_others
-
-    if os.geteuid() == 0 and _unreachable_by_others() is None:
-        assert len({f["uid"] for f in facts}) == 2 and 0 not in {f["uid"] for f in facts}
+    # A root trainer runs each worker slot under a uid of its own (mounting back what it needs of
+    # directories closed to others, such as Python under a 0700 /root); where the kernel refuses
+    # the mount namespace, as uid 0 without any capability.
+    if os.geteuid() == 0:
+        uids = {f["uid"] for f in facts}
+        assert (len(uids) == 2 and 0 not in uids) or (uids == {0} and {f["caps"] for f in facts} == {"0" * 16})
     else:
         assert {f["uid"] for f in facts} == {os.geteuid()}
+
+
+HOSTILE = """
+import asyncio, os
+from rlengine.rl.sandbox import worker_main
+
+def attempt(path):
+    try:
+        with open(path, "rb") as f:
+            return "read: " + f.read(64).decode(errors="replace")
+    except OSError as exc:
+        return type(exc).__name__
+
+async def play(client, job):
+    task = job["task"]
+    if task["role"] == "victim":  # holds its session token in memory meanwhile
+        await asyncio.sleep(task["hold_s"])
+        return {"pid": os.getpid()}
+    siblings = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"hostile_sandbox" in f.read():
+                        siblings.append(int(name))
+            except OSError:
+                pass
+    tried = {f"{pid}/{what}": attempt(f"/proc/{pid}/{what}") for pid in [*siblings, task["trainer"]]
+             for what in ("environ", "mem", "maps")}
+    tried["secret_file"] = attempt(task["secret_file"])
+    return {"siblings": siblings, "tried": tried, "uid": os.getuid()}
+
+if __name__ == "__main__":
+    worker_main(play)
+"""
+
+
+def test_a_hostile_sandbox_reads_neither_a_siblings_memory_nor_the_trainers_environment(tmp_path, monkeypatch):
+    """The issue's attack: a worker that looks for its sibling in /proc and reads its memory
+    (the sibling's session token is there) and the trainer's environment and files."""
+    (tmp_path / "hostile_sandbox.py").write_text(HOSTILE)
+    tmp_path.chmod(0o755)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("trainer-secret")
+    secret.chmod(0o600)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("RLENGINE_TEST_SECRET", "hunter2")
+
+    async def main():
+        pool = SandboxPool("hostile_sandbox", 2, job_timeout_s=30.0)
+        async with Engine(EngineConfig(backend="sim")) as engine, \
+                Server(engine, ServeConfig(http=False)) as server:
+            await pool.start(server.ipc_path)
+            try:
+                victim = asyncio.ensure_future(pool.run({"token": "tok-victim-secret",
+                                                         "task": {"role": "victim", "hold_s": 3.0}}))
+                await asyncio.sleep(0.5)  # the victim holds its job
+                attacker = await pool.run({"token": "tok-attacker", "task": {
+                    "role": "attacker", "trainer": os.getpid(), "secret_file": str(secret)}})
+                return attacker, await victim
+            finally:
+                await pool.aclose()
+
+    attacker, victim = asyncio.run(main())
+    assert victim["pid"] in attacker["siblings"], attacker  # it found its sibling
+    tried = attacker["tried"]
+    for pid in (victim["pid"], os.getpid()):
+        for what in ("environ", "mem", "maps"):
+            assert tried[f"{pid}/{what}"] == "PermissionError", (pid, what, tried)
+    assert not any("hunter2" in v or "tok-victim" in v for v in tried.values())
+    if attacker["uid"] != os.geteuid():  # under a uid of its own: the trainer's files are closed too
+        assert tried["secret_file"] == "PermissionError", tried
