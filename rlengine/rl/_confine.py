@@ -57,7 +57,20 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 def hide(plan: dict[str, list[str]], stage: str) -> None:
     """A mount namespace in which each key of ``plan`` is an empty tmpfs holding only its listed
     directories (read-only, at their own paths). ``stage``: an empty directory to stage them in."""
-    _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    original, cwd = os.open("/proc/self/ns/mnt", os.O_RDONLY), os.getcwd()
+    try:
+        _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        try:
+            _hide(plan, stage)
+        except OSError:
+            _check(_libc.setns(original, _CLONE_NEWNS), "setns")  # back to the trainer's view, whole
+            os.chdir(cwd)  # setns moved it to the namespace's root
+            raise
+    finally:
+        os.close(original)
+
+
+def _hide(plan: dict[str, list[str]], stage: str) -> None:
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the trainer's view
     os.mkdir(stage, 0o700)
     staged = []

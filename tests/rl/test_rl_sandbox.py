@@ -405,3 +405,34 @@ def test_a_hostile_sandbox_reads_neither_a_siblings_memory_nor_the_trainers_envi
     assert not any("hunter2" in v or "tok-victim" in v for v in tried.values())
     if attacker["uid"] != os.geteuid():  # under a uid of its own: the trainer's files are closed too
         assert tried["secret_file"] == "PermissionError", tried
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="_confine is how a root trainer starts its workers")
+def test_confine_gives_up_root_or_else_every_capability(tmp_path):
+    """``_confine`` with a plan the kernel accepts: the uid of the slot; with one whose mount
+    fails: uid 0 without any capability, and it says so."""
+    import json
+    import subprocess
+    import sys
+
+    probe = ("import os; s = open('/proc/self/status').read(); "
+             "print(os.getuid(), s.split('CapEff:')[1].split()[0], os.getcwd())")
+    results = []
+    for broken in (False, True):
+        work = tmp_path / f"work-{broken}"
+        work.mkdir()
+        os.chown(work, 200_777, 200_777)  # as the pool does for the slot's uid
+        args = list(SandboxPool("unused", 1)._confinement(200_777, str(work)))
+        if broken:  # a directory to hide that is not there: the mount fails
+            plan = json.loads(args[-1])
+            plan["hide"][str(tmp_path / "absent")] = []
+            args[-1] = json.dumps(plan)
+        done = subprocess.run([sys.executable, *args, "-c", probe], cwd=work, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        results.append((done.stdout.split(), done.stderr))
+    (uid, caps, cwd), err = results[0]
+    assert uid == "200777" and caps == "0" * 16 and err == "" and cwd == str(tmp_path / "work-False")
+    (uid, caps, cwd), err = results[1]
+    assert uid == "0" and caps == "0" * 16 and "without capabilities" in err and cwd == str(tmp_path / "work-True")
+    assert os.stat(tmp_path / "work-True").st_uid == 0  # its directory given back to uid 0, which can enter it
