@@ -154,6 +154,8 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
 
             tinker = await start_tinker(engines[0], tinker_cfg)
             print(f"tinker: {tinker.url}", flush=True)
+            if tinker.key_file is not None:
+                print(f"tinker key: {tinker.api_key}\ntinker key file: {tinker.key_file}", flush=True)
         print(f"ready: model {server.model_name!r}, {replicas} replica(s)", flush=True)
         while not stop.is_set():
             # A dead engine ends the process (its supervisor sees a non-zero exit), after

@@ -118,7 +118,8 @@ def test_serve_with_tinker_api_answers_healthz_and_stops():
     try:
         url = addresses["tinker"]
         assert url.startswith("http://127.0.0.1:")
-        with urllib.request.urlopen(url + "/api/v1/healthz", timeout=WAIT) as resp:
+        healthz = urllib.request.Request(url + "/api/v1/healthz", headers={"X-API-Key": addresses["tinker key"]})
+        with urllib.request.urlopen(healthz, timeout=WAIT) as resp:
             assert resp.status == 200
     finally:
         code, output = stop(proc, signal.SIGTERM)
