@@ -36,14 +36,14 @@ from rlengine.pytest_plugin import LocalServer
 PROBE_S = 2.0
 
 
-def _probe(url: str, seconds: float) -> list[float]:
+def _probe(url: str, key: str, seconds: float) -> list[float]:
     target = urlparse(url)
     conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
     out: list[float] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         t0 = time.perf_counter()
-        conn.request("GET", "/v1/models")
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
         conn.getresponse().read()
         out.append(time.perf_counter() - t0)
         time.sleep(0.005)
@@ -52,22 +52,24 @@ def _probe(url: str, seconds: float) -> list[float]:
 
 
 _LARGE_CLIENT = """
-import http.client, json, sys
+import http.client, json, os, sys
 from urllib.parse import urlparse
 target = urlparse(sys.argv[1])
+auth = {"Authorization": f"Bearer {os.environ['RLENGINE_API_KEY']}"}
 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
 body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "lorem ipsum " * 833_334}]}).encode()
 while True:
-    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json", **auth})
     response = conn.getresponse()
     response.read()
     assert response.status == 400, response.status
 """
 
 
-def _large_requests(url: str, stop: threading.Event) -> None:
+def _large_requests(url: str, key: str, stop: threading.Event) -> None:
     # Another process (as an attacker is): in this one it would contend for the GIL with the server.
-    proc = subprocess.Popen([sys.executable, "-c", _LARGE_CLIENT, url])
+    # It holds the key (an agent that may call the server), in its environment, not its argv.
+    proc = subprocess.Popen([sys.executable, "-c", _LARGE_CLIENT, url], env={**os.environ, "RLENGINE_API_KEY": key})
     stop.wait()
     proc.kill()
     proc.wait(30)
@@ -104,22 +106,22 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def probe_under_attacks(served: LocalServer) -> dict[str, float]:
-    url, path = served.http_url, served.ipc_path
-    attacks = {"large_requests": lambda stop: _large_requests(url, stop),
+    url, path, key = served.http_url, served.ipc_path, served.api_key
+    attacks = {"large_requests": lambda stop: _large_requests(url, key, stop),
                "partial_frames": lambda stop: _partial_frames(path, stop),
                "idle_connections": lambda stop: _idle_connections(path, stop)}
-    quiet: list[list[float]] = [_probe(url, PROBE_S)]
+    quiet: list[list[float]] = [_probe(url, key, PROBE_S)]
     res: dict[str, float] = {}
     for name, attack in attacks.items():
         stop = threading.Event()
         thread = threading.Thread(target=attack, args=(stop,))
         thread.start()
         time.sleep(0.5)  # the attack is in place
-        times = _probe(url, PROBE_S)
+        times = _probe(url, key, PROBE_S)
         stop.set()
         thread.join(120)
         res[f"{name}_p50_us"], res[f"{name}_p99_us"] = _pct(times, 50), _pct(times, 99)
-        quiet.append(_probe(url, PROBE_S))
+        quiet.append(_probe(url, key, PROBE_S))
     res["none_p50_us"] = statistics.median(_pct(t, 50) for t in quiet)
     res["none_p99_us"] = statistics.median(_pct(t, 99) for t in quiet)
     for name in attacks:

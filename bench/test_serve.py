@@ -60,8 +60,12 @@ def _sim(**sim: float) -> dict[str, object]:
     return {"model_name": "sim", "sim": {"gen_len": 10_000, "step_time_s": 0.001, **sim}}
 
 
-def _sandbox(code: str, *args: str, timeout: float = 600) -> str:
+def _sandbox(code: str, *args: str, timeout: float = 600, api_key: str | None = None) -> str:
+    """Run ``code`` in a fresh process; ``api_key`` (the HTTP server's) reaches it as ``$RLENGINE_API_KEY``,
+    not in its argv, which other users can read."""
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    if api_key is not None:
+        env["RLENGINE_API_KEY"] = api_key
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], check=False, capture_output=True,
                             text=True, timeout=timeout, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr
@@ -253,11 +257,12 @@ def test_ipc_ping_round_trip(record, rlengine_serve):
 # -- chat over IPC vs HTTP ------------------------------------------------------------------------
 
 CHAT_CLIENT = """
-import http.client, json, sys, time
+import http.client, json, os, sys, time
 from urllib.parse import urlparse
 import openai
 from rlengine.sandbox_client import Client
 ipc_path, http_url, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+key = os.environ["RLENGINE_API_KEY"]
 messages = [{"role": "system", "content": "You are a terse agent."}, {"role": "user", "content": "Say hi."}]
 params = {"max_tokens": 8, "temperature": 0.0}
 clock = time.perf_counter
@@ -265,12 +270,12 @@ client = Client(ipc_path)
 ipc_session = client.open_session()
 url = urlparse(http_url)
 conn = http.client.HTTPConnection(url.hostname, url.port)
-conn.request("POST", "/v1/sessions", body=b"{}")
+conn.request("POST", "/v1/sessions", body=b"{}", headers={"Authorization": f"Bearer {key}"})
 opened = json.loads(conn.getresponse().read())
-headers = {"Content-Type": "application/json", "X-Session-ID": opened["session_id"],
+headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}", "X-Session-ID": opened["session_id"],
            "X-Session-Token": opened["token"]}
 body = json.dumps({"model": "sim", "messages": messages, **params}).encode()
-oai = openai.OpenAI(base_url=http_url, api_key="x", max_retries=0,
+oai = openai.OpenAI(base_url=http_url, api_key=key, max_retries=0,
                     default_headers={k: v for k, v in headers.items() if k.startswith("X-")})
 
 def ipc():
@@ -295,7 +300,7 @@ print(json.dumps(out))
 
 
 def chat_ipc_vs_http(served: LocalServer, n: int = 60) -> dict[str, float]:
-    out = json.loads(_sandbox(CHAT_CLIENT, served.ipc_path, served.http_url, str(n)))
+    out = json.loads(_sandbox(CHAT_CLIENT, served.ipc_path, served.http_url, str(n), api_key=served.api_key))
     res = {f"{name}_p50_us": statistics.median(times) * 1e6 for name, times in out.items()}
     res["ratio_http_over_ipc"] = res["http_p50_us"] / res["ipc_p50_us"]
     res["ratio_openai_client_over_ipc"] = res["openai_p50_us"] / res["ipc_p50_us"]
@@ -311,9 +316,10 @@ def test_chat_over_ipc_vs_http(record, rlengine_serve):
 # -- a tool-call turn vs a plain turn over HTTP ------------------------------------------------------
 
 TOOL_CLIENT = """
-import http.client, json, sys, time
+import http.client, json, os, sys, time
 from urllib.parse import urlparse
 http_url, n = sys.argv[1], int(sys.argv[2])
+auth = {"Authorization": f"Bearer {os.environ['RLENGINE_API_KEY']}"}
 url = urlparse(http_url)
 conn = http.client.HTTPConnection(url.hostname, url.port)
 tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -326,7 +332,8 @@ bodies = {"tool": json.dumps(base).encode(), "plain": json.dumps({**base, "tool_
 clock = time.perf_counter
 
 def turn(name):
-    conn.request("POST", "/v1/chat/completions", body=bodies[name], headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", body=bodies[name],
+                 headers={"Content-Type": "application/json", **auth})
     return json.loads(conn.getresponse().read())["choices"][0]
 
 tool, plain = turn("tool"), turn("plain")
@@ -344,7 +351,7 @@ TOOL_TARGET_RATIO = 1.2
 
 
 def tool_vs_plain_turn(served: LocalServer, n: int = 200) -> dict[str, float]:
-    out = json.loads(_sandbox(TOOL_CLIENT, served.http_url, str(n)))
+    out = json.loads(_sandbox(TOOL_CLIENT, served.http_url, str(n), api_key=served.api_key))
     res = {f"{name}_p50_us": statistics.median(times) * 1e6 for name, times in out.items()}
     # Alternating turns saw the same machine: the ratio of each adjacent pair, median.
     res["ratio_tool_over_plain"] = statistics.median(t / p for t, p in zip(out["tool"], out["plain"]))
@@ -362,9 +369,10 @@ def test_tool_call_turn_vs_plain_turn(record, rlengine_serve):
 # -- an Anthropic and a Responses turn vs the same Chat Completions turn -------------------------------
 
 DIALECT_CLIENT = """
-import http.client, json, sys, time
+import http.client, json, os, sys, time
 from urllib.parse import urlparse
 http_url, n = sys.argv[1], int(sys.argv[2])
+auth = {"Authorization": f"Bearer {os.environ['RLENGINE_API_KEY']}"}
 url = urlparse(http_url)
 conn = http.client.HTTPConnection(url.hostname, url.port)
 schema = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -387,7 +395,7 @@ clock = time.perf_counter
 
 def turn(name):
     path, body = bodies[name]
-    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **auth})
     return json.loads(conn.getresponse().read())
 
 chat, anth, resp = turn("chat"), turn("anthropic"), turn("responses")
@@ -407,7 +415,7 @@ DIALECT_TARGET_RATIO = 1.1
 
 
 def dialects_vs_chat(served: LocalServer, n: int = 150) -> dict[str, float]:
-    out = json.loads(_sandbox(DIALECT_CLIENT, served.http_url, str(n)))
+    out = json.loads(_sandbox(DIALECT_CLIENT, served.http_url, str(n), api_key=served.api_key))
     res = {f"{name}_p50_us": statistics.median(times) * 1e6 for name, times in out.items()}
     # Each dialect turn ran right after a chat turn: the ratio of each adjacent pair, median.
     chat_a, chat_r = out["chat"][0::2], out["chat"][1::2]

@@ -49,7 +49,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
 
 ROUNDS = 30
 WAIT = 120.0
-KEY = "tml-bench"
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +63,18 @@ def served(tmp_path_factory):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
-            url = None
+            url = key = None
             for line in proc.stdout:
                 if line.startswith("tinker: "):
                     url = line.split(" ", 1)[1].strip()
+                if line.startswith("tinker key: "):
+                    key = line.split(": ", 1)[1].strip()  # the key the server drew
                 if line.startswith("ready"):
                     break
-            assert url is not None, "the server process did not start"
-            client = tinker.ServiceClient(base_url=url, api_key=KEY)
+            assert url is not None and key is not None, "the server process did not start"
+            client = tinker.ServiceClient(base_url=url, api_key=key)
             try:
-                yield engine, url, client
+                yield engine, url, key, client
             finally:
                 client.close("success").result(WAIT)
         finally:
@@ -115,7 +116,7 @@ def _record(benchmark, result: dict) -> dict:
 
 
 def test_forward_backward_rest_vs_in_process(benchmark, served):
-    engine, _, client = served
+    engine, _, _, client = served
     remote = client.create_lora_training_client(base_model="tiny", rank=0).result(WAIT)
     local = engine.training_client()
     sdk_batch, local_batch = _batch(True), _batch(False)
@@ -134,7 +135,7 @@ def test_forward_backward_rest_vs_in_process(benchmark, served):
 
 
 def test_sample_rest_vs_in_process(benchmark, served):
-    engine, _, client = served
+    engine, _, _, client = served
     remote = client.create_sampling_client(base_model="tiny").result(WAIT)
     local = engine.sampling_client()
     prompt = list(range(5, 21))
@@ -155,9 +156,9 @@ def test_sample_rest_vs_in_process(benchmark, served):
 
 
 def test_retrieve_completed_future(benchmark, served):
-    _, url, _ = served
+    _, url, key, _ = served
     rounds = 200
-    with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=WAIT) as http:
+    with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": key}, timeout=WAIT) as http:
         sid = http.post("/create_session", json={"tags": [], "sdk_version": "bench"}).json()["session_id"]
         ssid = http.post("/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0,
                                                            "base_model": "tiny"}).json()["sampling_session_id"]

@@ -14,7 +14,8 @@ Fixtures (all function-scoped unless noted; every start and close is bounded)::
     rlengine_torch_engine    a started torch engine on the tiny model
     rlengine_model_cache     (session) the cache directory the tiny model is built into, once
     rlengine_serve           factory: rlengine_serve(backend="sim", serve=..., **overrides) -> LocalServer
-    rlengine_server          a LocalServer: a sim engine with IPC and HTTP (127.0.0.1, a free port)
+    rlengine_server          a LocalServer: a sim engine with IPC and HTTP (127.0.0.1, a free port, its
+                             drawn API key on ``api_key``)
     rlengine_sandbox_client  a rlengine.sandbox_client.Client connected to rlengine_server
 
 A latency test in a user's suite, with pytest-benchmark::
@@ -135,6 +136,12 @@ class LocalServer:
         """The OpenAI-compatible HTTP server's base URL, ``http://127.0.0.1:<port>/v1`` by default
         (None with ``ServeConfig(http=False)``)."""
         return self._server().http_url
+
+    @property
+    def api_key(self) -> str | None:
+        """The key HTTP requests must carry (the ``openai`` client's ``api_key``): ``ServeConfig.api_key``,
+        or the one the server drew; None with ``ServeConfig(no_auth=True)`` or without HTTP."""
+        return self._server().api_key
 
     @property
     def sessions(self) -> SessionManager:
@@ -267,7 +274,7 @@ def rlengine_serve(rlengine_model_cache: str) -> Iterator[Callable[..., LocalSer
 
 @pytest.fixture
 def rlengine_server(rlengine_serve: Callable[..., LocalServer]) -> LocalServer:
-    """A sim engine served over IPC and HTTP (``ServeConfig()``): ``ipc_path``, ``http_url``,
+    """A sim engine served over IPC and HTTP (``ServeConfig()``): ``ipc_path``, ``http_url``, ``api_key``,
     ``open_session()``, ``session()``, ``connect()``."""
     return rlengine_serve("sim")
 

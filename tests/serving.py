@@ -87,7 +87,7 @@ def open_http_session(served: Served) -> dict[str, Any]:
     """``POST /v1/sessions``: the session's id, token and own ``base_url``."""
     import openai
 
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
+    with openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT) as c:
         return c.post("/sessions", body={}, cast_to=object)
 
 
@@ -95,7 +95,7 @@ def http_trace(served: Served, opened: dict[str, Any]) -> dict[str, Any]:
     """``GET /v1/sessions/<id>/trace`` of a session ``open_http_session`` opened."""
     import openai
 
-    with openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT) as c:
+    with openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT) as c:
         return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
                      options={"headers": {"X-Session-Token": opened["token"]}})
 

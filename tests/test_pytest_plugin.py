@@ -109,7 +109,9 @@ def test_a_turn_through_the_served_engine(rlengine_server, rlengine_sandbox_clie
     session.close()
     assert rlengine_server.call(rlengine_server.sessions.live) == []
     assert rlengine_server.http_url.startswith("http://127.0.0.1:")
-    with urllib.request.urlopen(rlengine_server.http_url + "/models", timeout=10) as response:
+    models = urllib.request.Request(rlengine_server.http_url + "/models",
+                                    headers={"Authorization": f"Bearer {rlengine_server.api_key}"})
+    with urllib.request.urlopen(models, timeout=10) as response:
         assert json.load(response)["data"][0]["id"] == rlengine_server.engine.model_name
     seen.update(engine=rlengine_server.engine, client=rlengine_sandbox_client, path=rlengine_server.ipc_path)
 

@@ -13,6 +13,7 @@ One role per module, each the single owner of its per-request records:
 * ``compute``   - the one compute thread (data plane);
 * ``futures``   - ``RequestFuture``, what a caller holds per request;
 * ``config``    - ``EngineConfig`` and ``SimConfig``;
+* ``api_keys``  - the API key a loopback HTTP or Tinker server draws, and its 0600 file;
 * ``clients``   - the in-process Tinker-style clients (``SamplingClient``,
   ``TrainingClient``), thin wrappers over ``Engine``.
 

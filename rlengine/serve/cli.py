@@ -11,8 +11,16 @@ field (``socket_path``, ``port``, ``api_key``, ``http=false``, ...) and
 With ``--tinker`` it also serves the Tinker REST API on replica 0
 (``tinker.<field>=value`` sets ``TinkerServerConfig`` fields).
 
+HTTP and the Tinker API need an API key: ``api_key`` / ``tinker.api_key``,
+or by default a random one, printed and written to a 0600 file
+(``http-<port>.key``, ``tinker-<port>.key`` in ``$XDG_RUNTIME_DIR/rlengine``,
+else ``~/.rlengine/run``; ``key_file`` to choose); ``no_auth=true`` /
+``tinker.no_auth=true`` accept any request instead (loopback only).
+
 It prints the servers' addresses (``ipc: <path>``, ``http: <url>``,
-``tinker: <url>``, then ``ready``) and runs until SIGINT or SIGTERM; then turns in flight settle
+``tinker: <url>``; with a drawn key ``http key: <key>`` and
+``http key file: <path>``, likewise ``tinker key``), then ``ready``, and runs
+until SIGINT or SIGTERM; then turns in flight settle
 (finished within ``grace_s`` or aborted), the socket file is removed and the
 engines close. Exit status 0 after a clean stop, 2 for bad settings, 1 when
 an engine died (its backend failed): the servers then stop on their own
@@ -149,11 +157,15 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
             print(f"ipc: {server.ipc_path}", flush=True)
         if server.http_url:
             print(f"http: {server.http_url}", flush=True)
+        if server.key_file is not None:
+            print(f"http key: {server.api_key}\nhttp key file: {server.key_file}", flush=True)
         if tinker_cfg is not None:
             from rlengine.tinker_api.server import start_async as start_tinker
 
             tinker = await start_tinker(engines[0], tinker_cfg)
             print(f"tinker: {tinker.url}", flush=True)
+            if tinker.key_file is not None:
+                print(f"tinker key: {tinker.api_key}\ntinker key file: {tinker.key_file}", flush=True)
         print(f"ready: model {server.model_name!r}, {replicas} replica(s)", flush=True)
         while not stop.is_set():
             # A dead engine ends the process (its supervisor sees a non-zero exit), after

@@ -34,10 +34,11 @@ Endpoints:
   (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
   session's token.
 
-It binds 127.0.0.1 unless told otherwise; with ``api_key`` set every request
-must carry ``Authorization: Bearer <api_key>`` (what the ``openai`` client
-sends) or ``x-api-key: <api_key>`` (the ``anthropic`` client), but for those
-on a session's own base URL, which carry its token.
+It binds 127.0.0.1 unless told otherwise; with ``api_key`` (``Server`` passes
+``ServeConfig.api_key`` or the key it drew; None only with ``no_auth``) every
+request must carry ``Authorization: Bearer <api_key>`` (what the ``openai``
+client sends) or ``x-api-key: <api_key>`` (the ``anthropic`` client), but for
+those on a session's own base URL, which carry its token.
 Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``) with
 the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a retired
 session is 410 Gone.
@@ -210,6 +211,8 @@ class HttpServer:
         self.api_key = api_key
         self.created = int(time.time())
         self.url: str | None = None
+        self.port: int | None = None
+        """The port it listens on (once started)."""
         self._decoder = msgspec.json.Decoder(ChatCompletionRequest)
         self._messages_decoder = msgspec.json.Decoder(anthropic.MessagesRequest)
         self._responses_decoder = msgspec.json.Decoder(responses.ResponsesRequest)
@@ -249,7 +252,7 @@ class HttpServer:
         await site.start()
         bound_host, bound_port = self._runner.addresses[0][:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        self.url = f"http://{shown}:{bound_port}/v1"
+        self.url, self.port = f"http://{shown}:{bound_port}/v1", bound_port
         return self.url
 
     async def stop_listening(self) -> None:

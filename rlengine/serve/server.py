@@ -8,7 +8,7 @@ that loop, so no lock is needed anywhere; the servers are callbacks and
 handlers on it, never a second loop::
 
     async with rle.Engine(cfg) as engine, Server(engine) as server:   # on your loop
-        print(server.ipc_path, server.http_url)
+        print(server.ipc_path, server.http_url, server.api_key)
 
     with rle.Engine(cfg) as engine, Server(engine) as server:         # engine owns its loop thread
         trace = server.call(server.sessions.collect, session_id).result(30)
@@ -16,7 +16,12 @@ handlers on it, never a second loop::
 Shutdown (``aclose``/``close``) stops listening, gives turns in flight
 ``grace_s`` to finish, aborts the rest (they settle as aborted and their
 clients get ``aborted``), closes every connection and removes the socket
-file. The engines are the caller's to close, after the server.
+file and the key file. The engines are the caller's to close, after the server.
+
+HTTP needs an API key unless ``ServeConfig.no_auth`` (loopback only), since
+other users of a shared machine reach loopback too: the configured
+``api_key``, or one drawn at start (``rlengine.core.api_keys``), which is on
+``Server.api_key`` and in the 0600 file ``Server.key_file``.
 
 This module wires parts together; it holds no request logic.
 """
@@ -24,12 +29,14 @@ This module wires parts together; it holds no request logic.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rlengine.core.api_keys import DrawnKey, check_auth
 from rlengine.core.config import is_loopback
 from rlengine.core.engine import Engine
 from rlengine.core.futures import RequestFuture
@@ -47,6 +54,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ServeConfig", "Server"]
 
+log = logging.getLogger("rlengine.serve")
+
 
 class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """How to serve. Every field is also a ``key=value`` of ``rlengine serve``."""
@@ -59,7 +68,14 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     port: int = 0
     """0: any free port (the chosen one is printed and in ``Server.http_url``)."""
     api_key: str | None = None
-    """HTTP bearer token; None accepts any (the server binds to loopback by default)."""
+    """The key every HTTP request must carry (``Authorization: Bearer`` or ``x-api-key``), but for those on a
+    session's own base URL, which carry its token. None: the server draws a random one when it starts
+    (``Server.api_key``) and writes it to ``Server.key_file``, unless ``no_auth``."""
+    no_auth: bool = False
+    """Accept any HTTP request, without a key: on loopback only (every user of this machine can then connect)."""
+    key_file: str | None = None
+    """Where a drawn key is written (mode 0600, removed on close); None: ``http-<port>.key`` in
+    ``$XDG_RUNTIME_DIR/rlengine``, else in ``~/.rlengine/run`` (mode 0700)."""
     max_frame: int = DEFAULT_MAX_FRAME
     max_body_bytes: int = 16 << 20
     max_in_flight: int = 256
@@ -123,9 +139,11 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError("ipc=False and http=False: nothing to serve")
         if self.http and self.api_key is None and not is_loopback(self.host):
             raise ConfigurationError(f"host={self.host!r}: not a loopback address; serving beyond this machine "
-                                     "needs api_key (every request must then carry it)")
+                                     "needs api_key (every request must then carry it)"
+                                     + ("; no_auth=True is for loopback only" if self.no_auth else ""))
         if self.api_key is not None and not self.api_key:
             raise ConfigurationError("api_key='': must be a non-empty secret or None")
+        check_auth(self.api_key, self.no_auth, self.key_file)
         if self.tool_parser is not None and self.tool_parser not in PARSERS:
             raise ConfigurationError(f"tool_parser={self.tool_parser!r}: unknown; known: {', '.join(sorted(PARSERS))}")
 
@@ -155,6 +173,12 @@ class Server:
         self.http: Any = None
         self.ipc_path: str | None = None
         self.http_url: str | None = None
+        self.api_key: str | None = None
+        """The key HTTP requests must carry: ``config.api_key``, or the one drawn at start (None with
+        ``no_auth``, or without HTTP)."""
+        self.key_file: str | None = None
+        """The 0600 file holding a drawn key (None where none was drawn); removed on close."""
+        self._drawn: DrawnKey | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = "new"
 
@@ -209,9 +233,16 @@ class Server:
             if cfg.http:
                 from rlengine.serve.http import HttpServer  # aiohttp only where HTTP is served
 
-                self.http = HttpServer(self.sessions, model_name=self.model_name, api_key=cfg.api_key,
+                # Drawn before binding: the server never listens without its key.
+                if cfg.api_key is None and not cfg.no_auth:
+                    self._drawn = DrawnKey("http", cfg.key_file)
+                self.api_key = self._drawn.key if self._drawn is not None else cfg.api_key
+                self.http = HttpServer(self.sessions, model_name=self.model_name, api_key=self.api_key,
                                        max_body_bytes=cfg.max_body_bytes)
                 self.http_url = await self.http.start(cfg.host, cfg.port)
+                if self._drawn is not None:
+                    self.key_file = self._drawn.write(self.http.port)
+                    log.info("http: %s needs API key %s (also in %s)", self.http_url, self.api_key, self.key_file)
         except BaseException:
             await self._shut(0.0)
             self._state = "closed"
@@ -257,6 +288,8 @@ class Server:
             await self.ipc.close()
         if self.http is not None:
             await self.http.close()
+        if self._drawn is not None:
+            self._drawn.remove()
 
     async def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -3,11 +3,17 @@
 Point the official SDK or the Tinker cookbook at the printed URL::
 
     python -m rlengine.tinker_api --model tiny --port 8000
-    TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-local python my_tinker_script.py
+    export TINKER_API_KEY=$(cat ~/.rlengine/run/tinker-8000.key)    # the key it drew (also printed)
+    TINKER_BASE_URL=http://127.0.0.1:8000 python my_tinker_script.py
 
+Without ``--api-key`` the server draws a key, prints it and writes it to
+``tinker-<port>.key`` (mode 0600) in ``$XDG_RUNTIME_DIR/rlengine``, else
+``~/.rlengine/run``; ``--no-auth`` accepts any key instead (loopback only).
 The engine runs in async mode on this process's uvloop, and the server on
-that same loop. It prints ``tinker: <url>`` and then ``ready``; on a signal
-it stops listening, closes the engine and exits 0 (2 for bad settings).
+that same loop. It prints ``tinker: <url>`` (with a drawn key also
+``tinker key: <key>`` and ``tinker key file: <path>``) and then ``ready``; on
+a signal it stops listening, removes the key file, closes the engine and
+exits 0 (2 for bad settings).
 ``rlengine serve`` can serve the same API next to its IPC and OpenAI
 servers through ``rlengine.tinker_api.start_async``. This module parses
 and runs; it adds no serving logic.
@@ -34,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback needs --api-key)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     parser.add_argument("--api-key", default=None,
-                        help="shared secret every request must carry as X-API-Key (default: any key, loopback only)")
+                        help="shared secret every request must carry as X-API-Key, starting 'tml-' (default: a "
+                             "random one, printed and written to a 0600 file)")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="accept any API key (loopback only: every user of this machine can connect)")
+    parser.add_argument("--key-file", default=None,
+                        help="where a drawn key is written (default: tinker-<port>.key in "
+                             "$XDG_RUNTIME_DIR/rlengine, else ~/.rlengine/run)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="where saved training state and named sampler weights go "
                              "(default: <rlengine cache>/tinker-checkpoints)")
@@ -50,8 +62,9 @@ async def _serve(args: argparse.Namespace) -> int:
     from rlengine.tinker_api.config import TinkerServerConfig
     from rlengine.tinker_api.server import start_async
 
-    config = TinkerServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                checkpoint_dir=args.checkpoint_dir, max_models=args.max_models)
+    config = TinkerServerConfig(host=args.host, port=args.port, api_key=args.api_key, no_auth=args.no_auth,
+                                key_file=args.key_file, checkpoint_dir=args.checkpoint_dir,
+                                max_models=args.max_models)
     engine_config = EngineConfig(model=args.model, backend=args.backend, cache_dir=args.cache_dir, seed=args.seed)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -62,6 +75,8 @@ async def _serve(args: argparse.Namespace) -> int:
             server = await start_async(engine, config)
             try:
                 print(f"tinker: {server.url}", flush=True)
+                if server.key_file is not None:
+                    print(f"tinker key: {server.api_key}\ntinker key file: {server.key_file}", flush=True)
                 print(f"ready: model {engine.model_name!r} ({engine.backend.name} backend)", flush=True)
                 await stop.wait()
                 print("stopping", flush=True)

@@ -1,9 +1,11 @@
 """``TinkerServerConfig``: how the Tinker API server listens, authenticates and bounds its tables.
 
 A frozen msgspec Struct validated on construction; a bad value raises
-``ConfigurationError`` naming the field. Binding anything but a loopback
-address needs ``api_key`` (a shared secret): without one any key is
-accepted, which is only acceptable where nobody else can connect. This
+``ConfigurationError`` naming the field. Every request carries an API key:
+``api_key`` (a shared secret), or by default one the server draws when it
+starts and writes to a 0600 file, since other users of a shared machine
+reach loopback too. ``no_auth`` accepts any key (each key then owns its own
+sessions), on loopback only; binding anything else needs ``api_key``. This
 module holds settings only.
 """
 
@@ -13,6 +15,7 @@ import math
 
 import msgspec
 
+from rlengine.core.api_keys import check_auth
 from rlengine.core.config import is_loopback
 from rlengine.errors import ConfigurationError
 
@@ -27,7 +30,15 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     """0: any free port (the chosen one is in ``TinkerServer.url``)."""
     api_key: str | None = None
     """Shared secret every request must carry as ``X-API-Key`` (what the SDK sends from
-    ``TINKER_API_KEY``); None accepts any key, on loopback only."""
+    ``TINKER_API_KEY``; it must start ``tml-`` for the SDK). None: the server draws one
+    (``tml-...``) when it starts (``TinkerServer.api_key``) and writes it to ``TinkerServer.key_file``,
+    unless ``no_auth``."""
+    no_auth: bool = False
+    """Accept any key, each caller owning what its key created: on loopback only (every user of this
+    machine can then connect)."""
+    key_file: str | None = None
+    """Where a drawn key is written (mode 0600, removed on close); None: ``tinker-<port>.key`` in
+    ``$XDG_RUNTIME_DIR/rlengine``, else in ``~/.rlengine/run`` (mode 0700)."""
     checkpoint_dir: str | None = None
     """Where ``save_state`` / named ``save_weights_for_sampler`` write; None:
     ``<rlengine cache>/tinker-checkpoints``."""
@@ -66,5 +77,7 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError("api_key='': must be a non-empty secret or None")
         if self.api_key is None and not is_loopback(self.host):
             raise ConfigurationError(f"host={self.host!r}: not a loopback address; serving beyond this machine "
-                                     "needs api_key (a shared secret)")
+                                     "needs api_key (a shared secret)"
+                                     + ("; no_auth=True is for loopback only" if self.no_auth else ""))
+        check_auth(self.api_key, self.no_auth, self.key_file)
 

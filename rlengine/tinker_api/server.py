@@ -5,7 +5,7 @@ rlengine through it unchanged (``base_url`` = ``TinkerServer.url``)::
 
     with rle.Engine(rle.EngineConfig(model="tiny")) as engine:       # engine owns its loop thread
         server = rlengine.tinker_api.start(engine)
-        client = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
+        client = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
         ...
         server.close()
 
@@ -25,10 +25,12 @@ naming it (custom losses, weight copies, external exports, checkpoint
 listings, billing and auth-token exchange are Tinker-service features
 rlengine does not have).
 
-Auth: the SDK sends ``X-API-Key``. Without a configured ``api_key`` any key
-is accepted (loopback only, see ``TinkerServerConfig``) and identifies the
-caller: sessions and all they own belong to the key that created them.
-With one, every request must carry it. Errors have the JSON shape of
+Auth: the SDK sends ``X-API-Key``; every request must carry the server's key
+(``TinkerServer.api_key``: the configured ``api_key``, or one drawn at start
+and written to the 0600 file ``TinkerServer.key_file``, removed on close).
+With ``no_auth`` (loopback only, see ``TinkerServerConfig``) any key is
+accepted and identifies the caller: sessions and all they own belong to the
+key that created them. Errors have the JSON shape of
 ``errors.error_body``; an oversized body is a 413 naming the limit.
 
 This module translates HTTP to ``TinkerService`` calls; it never creates a
@@ -48,6 +50,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from rlengine.core.api_keys import DrawnKey
 from rlengine.core.engine import Engine
 from rlengine.errors import InvalidRequest, RLEngineError
 from rlengine.tinker_api import wire
@@ -94,6 +97,12 @@ class TinkerServer:
         self.service: TinkerService | None = None
         self.url: str | None = None
         """``http://host:port``: the SDK's ``base_url``."""
+        self.api_key: str | None = None
+        """The key every request must carry (the SDK's ``api_key``): ``config.api_key``, or the one drawn
+        at start; None with ``no_auth``."""
+        self.key_file: str | None = None
+        """The 0600 file holding a drawn key (None where none was drawn); removed on close."""
+        self._drawn: DrawnKey | None = None
         self._runner: web.AppRunner | None = None
         self._decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
@@ -104,6 +113,11 @@ class TinkerServer:
         if loop is not self.engine.loop:
             raise RLEngineError("TinkerServer.start_async: must run on the engine's loop "
                                 "(use rlengine.tinker_api.start(engine) from another thread)")
+        cfg = self.config
+        # Drawn before binding: the server never listens without its key.
+        if cfg.api_key is None and not cfg.no_auth:
+            self._drawn = DrawnKey("tinker", cfg.key_file, prefix="tml-")
+        self.api_key = self._drawn.key if self._drawn is not None else cfg.api_key
         self.service = TinkerService(self.engine, self.config)
         self.service.start()
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._guard])
@@ -118,6 +132,13 @@ class TinkerServer:
             raise
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        if self._drawn is not None:
+            try:
+                self.key_file = self._drawn.write(port)
+            except BaseException:
+                await self.aclose()
+                raise
+            log.info("tinker: %s needs API key %s (also in %s)", self.url, self.api_key, self.key_file)
         return self
 
     async def aclose(self) -> None:
@@ -126,6 +147,8 @@ class TinkerServer:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        if self._drawn is not None:
+            self._drawn.remove()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop serving (from any thread but the engine's loop thread)."""
@@ -145,7 +168,7 @@ class TinkerServer:
             given = request.headers.get("X-API-Key")
             if given is None and request.headers.get("Authorization", "").startswith("Bearer "):
                 given = request.headers["Authorization"][7:]
-            secret = self.config.api_key
+            secret = self.api_key
             if secret is not None and not hmac.compare_digest((given or "").encode(), secret.encode()):
                 raise Unauthorized("X-API-Key", "***" if given else None, "missing or wrong API key")
             request[_OWNER] = _owner(given or "")
@@ -163,7 +186,10 @@ class TinkerServer:
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed error body
             exc = err
         status, _ = http_status(exc)
-        return _json_response(error_body(exc), status)
+        response = _json_response(error_body(exc), status)
+        if request.path == f"{_PREFIX}/client/config":
+            response.force_close()  # as _client_config does: the SDK never closes that connection (a wrong key)
+        return response
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -183,7 +183,7 @@ def calls_made(tmp_path) -> list[str]:
 def test_vf_eval_runs_the_tool_environment_and_scores_it(venv_python, served, tmp_path):
     served.engines[0].backend.set_script([CALL["alpha"], ANSWER["alpha"], CALL["beta"], ANSWER["beta"]])
     before = admitted(served)
-    episodes = vf_eval(venv_python, tmp_path, served.http_url, "unused", limit=2)
+    episodes = vf_eval(venv_python, tmp_path, served.http_url, served.api_key, limit=2)
     assert calls_made(tmp_path) == ["alpha", "beta"]  # the tool server really ran the calls
     # Two turns per rollout, each carrying X-Session-ID (the trace id) and no session token:
     # served statelessly, the id only an affinity hint.

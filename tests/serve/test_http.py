@@ -46,19 +46,27 @@ def _close_clients():
         _clients.pop().close()
 
 
-def oai(served, api_key="unused", **headers) -> openai.OpenAI:
-    client = openai.OpenAI(base_url=served.http_url, api_key=api_key, max_retries=0, timeout=WAIT,
+def oai(served, api_key=None, **headers) -> openai.OpenAI:
+    """An ``openai`` client of the server's base URL, with its key (or ``api_key``)."""
+    client = openai.OpenAI(base_url=served.http_url, api_key=api_key or served.api_key, max_retries=0, timeout=WAIT,
                            default_headers=headers or None)
     _clients.append(client)
     return client
 
 
-def raw_request(served, method, path, body=None, headers=None, timeout=WAIT):
+def key_header(served) -> dict[str, str]:
+    """The server's API key as the ``openai`` client sends it (none with ``no_auth``)."""
+    return {"Authorization": f"Bearer {served.api_key}"} if served.api_key else {}
+
+
+def raw_request(served, method, path, body=None, headers=None, timeout=WAIT, auth=True):
+    """``method path`` over a raw connection, with the server's key unless ``auth=False``."""
     url = urlparse(served.http_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     try:
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                       **(key_header(served) if auth else {}), **(headers or {})})
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read() or b"null")
     finally:
@@ -171,7 +179,7 @@ def test_a_sessions_own_base_url_takes_its_token_as_the_api_key(served):
                                                                                      opened["token"])))
     assert trace.turns == 1 and len(trace.trajectories) == 1
     status, _ = raw_request(served, "POST", f"/sessions/{opened['session_id']}/v1/chat/completions",
-                            {"messages": USER, "max_tokens": 2}, headers={"x-api-key": opened["token"]})
+                            {"messages": USER, "max_tokens": 2}, headers={"x-api-key": opened["token"]}, auth=False)
     assert status == 200  # Anthropic-style key header too
     wrong = openai.OpenAI(base_url=opened["base_url"], api_key="not-the-token", max_retries=0, timeout=WAIT)
     _clients.append(wrong)
@@ -236,9 +244,67 @@ def test_bearer_token_is_required_when_configured():
     try:
         with pytest.raises(openai.AuthenticationError):
             oai(s, api_key="wrong").models.list()
-        assert raw_request(s, "GET", "/v1/models")[0] == 401
+        assert raw_request(s, "GET", "/v1/models", auth=False)[0] == 401
         ok = oai(s, api_key="sekret")
         assert ok.chat.completions.create(model="sim", messages=USER, max_tokens=2).choices
+    finally:
+        s.close()
+
+
+def test_a_loopback_server_draws_a_key_refuses_requests_without_it_and_removes_its_file(tmp_path, monkeypatch):
+    """Other users of a shared machine reach loopback too: no api_key means a drawn one, not open access."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = Served([sim_config()], ServeConfig(ipc=False))
+    try:
+        port = urlparse(s.http_url).port
+        key_file = tmp_path / "rlengine" / f"http-{port}.key"
+        assert s.server.key_file == str(key_file)
+        assert os.stat(key_file.parent).st_mode & 0o777 == 0o700 and os.stat(key_file).st_mode & 0o777 == 0o600
+        key = key_file.read_text().strip()
+        assert key == s.api_key and len(key) >= 40
+        status, body = raw_request(s, "GET", "/v1/models", auth=False)
+        assert status == 401 and body["error"]["code"] == "unauthorized"
+        with pytest.raises(openai.AuthenticationError):
+            oai(s, api_key="guess").chat.completions.create(model="sim", messages=USER, max_tokens=2)
+        assert oai(s, api_key=key).chat.completions.create(model="sim", messages=USER, max_tokens=2).choices
+        # A session's own base URL still takes the session's token, not the server's key.
+        opened = oai(s, api_key=key).post("/sessions", body={}, cast_to=object)
+        agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["token"], max_retries=0, timeout=WAIT)
+        _clients.append(agent)
+        assert agent.chat.completions.create(model="sim", messages=USER, max_tokens=2).choices
+    finally:
+        s.close()
+    assert not key_file.exists()
+
+
+def test_a_key_file_may_be_named_and_is_never_overwritten(tmp_path):
+    named = tmp_path / "my.key"
+    s = Served([sim_config()], ServeConfig(ipc=False, key_file=str(named)))
+    try:
+        assert s.server.key_file == str(named) and os.stat(named).st_mode & 0o777 == 0o600
+        assert named.read_text().strip() == s.api_key
+        with pytest.raises(rle.ConfigurationError, match="key_file=.*my.key.*exists"):
+            Served([sim_config()], ServeConfig(ipc=False, key_file=str(named)))
+    finally:
+        s.close()
+    assert not named.exists()
+
+
+def test_a_private_key_directory_open_to_others_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "rlengine").mkdir(mode=0o755)
+    os.chmod(tmp_path / "rlengine", 0o755)
+    with pytest.raises(rle.ConfigurationError, match="key directory .*rlengine.*mode 755"):
+        Served([sim_config()], ServeConfig(ipc=False))
+
+
+def test_no_auth_accepts_any_request_and_draws_no_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = Served([sim_config()], ServeConfig(ipc=False, no_auth=True))
+    try:
+        assert (s.api_key, s.server.key_file) == (None, None) and not (tmp_path / "rlengine").exists()
+        assert raw_request(s, "GET", "/v1/models", auth=False)[0] == 200
+        assert oai(s, api_key="anything").chat.completions.create(model="sim", messages=USER, max_tokens=2).choices
     finally:
         s.close()
 
@@ -249,6 +315,7 @@ def _start_and_vanish(served, sid: str, token: str, stream: bool) -> None:
     body = json.dumps({"model": "sim", "messages": USER, "max_tokens": 5000, "stream": stream}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=WAIT)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {served.api_key}\r\n".encode()
                  + f"X-Session-ID: {sid}\r\nX-Session-Token: {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                  + body)
     if stream:
@@ -341,8 +408,8 @@ _fields = st.fixed_dictionaries({}, optional={
                              "/v1/sessions/fuzz/reward", "/v1/models"]),
        use_token=st.booleans(), session_header=st.sampled_from([None, "fuzz", "nobody", "x" * 300]))
 def test_fuzz_the_http_handler(fuzz_server, body, path, use_token, session_header):
-    _served, _sid, token, conn = fuzz_server
-    headers = {"Content-Type": "application/json"}
+    served, _sid, token, conn = fuzz_server
+    headers = {"Content-Type": "application/json", **key_header(served)}
     if session_header is not None:
         headers["X-Session-ID"] = session_header
     if use_token:
@@ -353,7 +420,7 @@ def test_fuzz_the_http_handler(fuzz_server, body, path, use_token, session_heade
         payload = resp.read()
     except (http.client.HTTPException, ConnectionError):
         conn.close()  # a closed keep-alive connection is fine; the next request reconnects
-        conn.request("GET", "/v1/models")
+        conn.request("GET", "/v1/models", headers=key_header(served))
         resp = conn.getresponse()
         payload = resp.read()
     assert resp.status in (200, 400, 403, 404, 405, 409, 410, 413), (resp.status, payload[:300])

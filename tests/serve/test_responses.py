@@ -28,7 +28,7 @@ def served(model_cache):
 
 @pytest.fixture
 def client(served):
-    c = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT)
+    c = openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
     yield c
     c.close()
 

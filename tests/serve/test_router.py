@@ -184,7 +184,7 @@ def test_a_session_id_without_its_token_is_an_affinity_hint():
 
     s = Served([sim_config(seed=i) for i in range(3)], ServeConfig(ipc=False))
     try:
-        client = openai.OpenAI(base_url=s.http_url, api_key="x", max_retries=0, timeout=WAIT)
+        client = openai.OpenAI(base_url=s.http_url, api_key=s.api_key, max_retries=0, timeout=WAIT)
         before = [e.stats()["admitted"] for e in s.engines]
         for hint, turns in (("rollout-17", 4), ("rollout-18", 4)):
             for _ in range(turns):

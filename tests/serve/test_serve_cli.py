@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -27,8 +28,8 @@ from rlengine.serve import ServeConfig
 from rlengine.serve.cli import parse_settings
 
 
-def start(*settings: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+def start(*settings: str, **env_vars: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.Popen([sys.executable, "-m", "rlengine.serve.cli", *settings], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     addresses: dict[str, str] = {}
@@ -43,6 +44,16 @@ def start(*settings: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
             return proc, addresses
     proc.kill()
     raise AssertionError("rlengine serve did not become ready")
+
+
+def status(url: str, **headers: str) -> int:
+    """The HTTP status of ``GET url``."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=WAIT) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return exc.code
 
 
 def stop(proc: subprocess.Popen[str], sig: int) -> tuple[int, str]:
@@ -74,7 +85,8 @@ def test_serve_prints_addresses_serves_and_stops_cleanly(sig):
         with Client(path, timeout=WAIT) as c:
             assert c.ping(b"x") == b"x"
             assert len(c.open_session().generate([3], max_tokens=4).choices[0].tokens) == 4
-        with urllib.request.urlopen(url + "/models", timeout=WAIT) as resp:
+        models = urllib.request.Request(url + "/models", headers={"Authorization": f"Bearer {addresses['http key']}"})
+        with urllib.request.urlopen(models, timeout=WAIT) as resp:
             assert json.loads(resp.read())["data"][0]["id"] == "tiny"
         thread = threading.Thread(target=long_turn)
         thread.start()
@@ -100,6 +112,9 @@ def test_settings_parse_into_engine_and_serve_configs():
                                               "http=false", "api_key=abc", "replicas=3", "socket_path=/x/y.sock"])
     assert (engine.backend, engine.sim.gen_len, engine.drain_policy) == ("sim", 7, "pause")
     assert (serve.http, serve.api_key, serve.socket_path, replicas) == (False, "abc", "/x/y.sock", 3)
+    _, serve, _ = parse_settings(["no_auth=true"])
+    assert (serve.no_auth, serve.api_key) == (True, None)
+    assert parse_settings(["key_file=/run/k.key"])[1].key_file == "/run/k.key"
     for bad in (["replicas=0"], ["noequals"], ["port=-1"], ["drain_policy=sometimes"], ["sim.nope=1"],
                 ["seed.x=1"], ["model_args.max_positions=4096"]):
         with pytest.raises(ConfigurationError):
@@ -118,8 +133,42 @@ def test_serve_with_tinker_api_answers_healthz_and_stops():
     try:
         url = addresses["tinker"]
         assert url.startswith("http://127.0.0.1:")
-        with urllib.request.urlopen(url + "/api/v1/healthz", timeout=WAIT) as resp:
+        healthz = urllib.request.Request(url + "/api/v1/healthz", headers={"X-API-Key": addresses["tinker key"]})
+        with urllib.request.urlopen(healthz, timeout=WAIT) as resp:
             assert resp.status == 200
+    finally:
+        code, output = stop(proc, signal.SIGTERM)
+    assert code == 0, output
+
+
+def test_serve_draws_api_keys_prints_them_and_removes_their_private_files(tmp_path):
+    """No api_key: each server draws one, prints it and writes it to a 0600 file in a 0700 directory."""
+    proc, addresses = start("--tinker", "backend=sim", "ipc=false", "tinker.port=0", XDG_RUNTIME_DIR=str(tmp_path))
+    try:
+        run_dir = tmp_path / "rlengine"
+        http_port, tinker_port = (int(addresses[k].split(":")[-1].split("/")[0]) for k in ("http", "tinker"))
+        files = {"http": run_dir / f"http-{http_port}.key", "tinker": run_dir / f"tinker-{tinker_port}.key"}
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        for kind, path in files.items():
+            assert addresses[f"{kind} key file"] == str(path)
+            assert os.stat(path).st_mode & 0o777 == 0o600
+            assert path.read_text().strip() == addresses[f"{kind} key"]
+        assert addresses["tinker key"].startswith("tml-") and addresses["http key"] != addresses["tinker key"]
+        models = addresses["http"] + "/models"
+        assert status(models) == 401
+        assert status(models, Authorization=f"Bearer {addresses['http key']}") == 200
+        assert status(addresses["tinker"] + "/api/v1/healthz", **{"X-API-Key": "tml-guess"}) == 401
+    finally:
+        code, output = stop(proc, signal.SIGTERM)
+    assert code == 0, output
+    assert not any(path.exists() for path in files.values())
+
+
+def test_serve_with_no_auth_accepts_any_request_and_writes_no_key(tmp_path):
+    proc, addresses = start("backend=sim", "ipc=false", "no_auth=true", XDG_RUNTIME_DIR=str(tmp_path))
+    try:
+        assert "http key" not in addresses and not (tmp_path / "rlengine").exists()
+        assert status(addresses["http"] + "/models") == 200
     finally:
         code, output = stop(proc, signal.SIGTERM)
     assert code == 0, output
@@ -182,6 +231,16 @@ def test_a_non_loopback_bind_without_an_api_key_is_refused():
     assert ServeConfig(host="0.0.0.0", http=False).http is False  # nothing listens on that host
     with pytest.raises(ConfigurationError, match="api_key"):
         ServeConfig(api_key="")
+    # no_auth opts out of the key on loopback only; beyond it a key is still required.
+    with pytest.raises(ConfigurationError, match="host='0.0.0.0'.*no_auth=True is for loopback only"):
+        ServeConfig(host="0.0.0.0", no_auth=True)
+    assert ServeConfig(no_auth=True).no_auth is True
+    with pytest.raises(ConfigurationError, match="no_auth=True with api_key set"):
+        ServeConfig(no_auth=True, api_key="s3cret")
+    with pytest.raises(ConfigurationError, match="key_file='/k': only a drawn key is written, and api_key is set"):
+        ServeConfig(api_key="s3cret", key_file="/k")
+    with pytest.raises(ConfigurationError, match="key_file=''"):
+        ServeConfig(key_file="")
 
 
 def test_serve_exits_non_zero_soon_after_its_engine_dies():

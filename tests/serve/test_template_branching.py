@@ -71,7 +71,7 @@ def serve(tiny_model, tmp_path):
         served = Served([rle.EngineConfig(backend="scripted", model=path, model_name="m",
                                           engine_args={"script": script})], ServeConfig(ipc=False))
         started.append(served)
-        client = openai.OpenAI(base_url=served.http_url, api_key="x", max_retries=0, timeout=WAIT)
+        client = openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
         started.append(client)
         return served, client
 

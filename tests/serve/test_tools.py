@@ -33,7 +33,7 @@ def served(model_cache):
 
 @pytest.fixture
 def client(served):
-    c = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=WAIT)
+    c = openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
     yield c
     c.close()
 
@@ -243,7 +243,7 @@ def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_oth
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
         while not stop.is_set():
             t0 = time.perf_counter()
-            conn.request("GET", "/v1/models")
+            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {served.api_key}"})
             conn.getresponse().read()
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.002)

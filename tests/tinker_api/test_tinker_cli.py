@@ -1,4 +1,5 @@
-"""``python -m rlengine.tinker_api`` as a real process: serves the SDK, stops cleanly on SIGINT, refuses bad settings."""
+"""``python -m rlengine.tinker_api`` as a real process: serves the SDK with the key it drew, stops cleanly on SIGINT,
+refuses bad settings."""
 
 from __future__ import annotations
 
@@ -19,16 +20,17 @@ pytestmark = [
 ]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
 def test_the_entry_point_serves_the_sdk_and_stops_on_sigint(tiny_model, model_cache, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "rlengine.tinker_api", "--model", "tiny", "--backend", "torch",
                              "--port", "0", "--cache-dir", model_cache, "--checkpoint-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(XDG_RUNTIME_DIR=str(tmp_path / "run")))
     try:
-        lines, url = [], None
+        lines, url, printed = [], None, {}
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
@@ -36,10 +38,18 @@ def test_the_entry_point_serves_the_sdk_and_stops_on_sigint(tiny_model, model_ca
             lines.append(line)
             if line.startswith("tinker: "):
                 url = line.split(" ", 1)[1].strip()
+            if line.startswith(("tinker key: ", "tinker key file: ")):
+                name, _, value = line.strip().partition(": ")
+                printed[name] = value
             if line.startswith("ready"):
                 break
         assert url is not None and url.startswith("http://127.0.0.1:")
-        client = tinker.ServiceClient(base_url=url, api_key="tml-cli-test")
+        key_file = tmp_path / "run" / "rlengine" / f"tinker-{url.rsplit(':', 1)[1]}.key"
+        assert printed["tinker key file"] == str(key_file) and os.stat(key_file).st_mode & 0o777 == 0o600
+        assert key_file.read_text().strip() == printed["tinker key"]
+        with pytest.raises(tinker.AuthenticationError):
+            tinker.ServiceClient(base_url=url, api_key="tml-guess").create_sampling_client(base_model="tiny").result(60)
+        client = tinker.ServiceClient(base_url=url, api_key=printed["tinker key"])
         sampler = client.create_sampling_client(base_model="tiny").result(60)
         result = sampler.sample(tinker.types.ModelInput.from_ints([5, 6, 7]), 2,
                                 tinker.types.SamplingParams(max_tokens=4, seed=0)).result(60)
@@ -48,7 +58,7 @@ def test_the_entry_point_serves_the_sdk_and_stops_on_sigint(tiny_model, model_ca
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
-        assert "stopped" in out
+        assert "stopped" in out and not key_file.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -60,3 +70,7 @@ def test_bad_settings_exit_2():
                           capture_output=True, text=True, env=_env(), timeout=120, check=False)
     assert proc.returncode == 2
     assert "api_key" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rlengine.tinker_api", "--host", "0.0.0.0", "--port", "0",
+                           "--no-auth"], capture_output=True, text=True, env=_env(), timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "no_auth=True is for loopback only" in proc.stderr

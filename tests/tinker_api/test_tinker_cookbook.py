@@ -152,7 +152,7 @@ def _check(metrics: list[dict], log_path: str, max_off_policy: int) -> None:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_cookbook_rl_train_runs_against_the_local_server(server, tmp_path, mode, monkeypatch):
     engine, srv = server
-    monkeypatch.setenv("TINKER_API_KEY", "tml-cookbook-test")
+    monkeypatch.setenv("TINKER_API_KEY", srv.api_key)  # the key the server drew: the cookbook reads it from here
     async_config = train.AsyncConfig(max_steps_off_policy=2, groups_per_batch=GROUPS_PER_BATCH) \
         if mode == "async" else None
     before = engine.gate.version

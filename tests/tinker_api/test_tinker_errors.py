@@ -11,6 +11,7 @@ calls, cancellation, try-again long polls, expiring sessions and futures.
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -42,7 +43,8 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(engine, ckpt_dir):
-    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2))
+    # no_auth: any key is accepted and is its caller's identity (KEY_A's sessions are not KEY_B's).
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2, no_auth=True))
     yield server.url
     server.close()
 
@@ -179,8 +181,40 @@ def test_oversized_bodies_and_shared_secret(engine, ckpt_dir):
         small.close()
     with pytest.raises(ConfigurationError, match="host="):
         TinkerServerConfig(host="0.0.0.0")
+    with pytest.raises(ConfigurationError, match="host='0.0.0.0'.*no_auth=True is for loopback only"):
+        TinkerServerConfig(host="0.0.0.0", no_auth=True)
+    with pytest.raises(ConfigurationError, match="no_auth=True with api_key set"):
+        TinkerServerConfig(no_auth=True, api_key="tml-secret")
+    with pytest.raises(ConfigurationError, match="key_file='k': only a drawn key is written, and no_auth"):
+        TinkerServerConfig(no_auth=True, key_file="k")
     with pytest.raises(ConfigurationError, match="max_futures"):
         TinkerServerConfig(max_futures=0)
+
+
+def test_a_loopback_server_draws_a_key_and_refuses_every_other(engine_config, ckpt_dir, tmp_path, monkeypatch):
+    """Other users of a shared machine reach loopback too: no api_key means a drawn one in a 0600
+    file (removed on close), not any key; no_auth is the explicit opt-out."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with rle.Engine(engine_config("sim")) as sim:
+        server = start(sim, TinkerServerConfig(checkpoint_dir=ckpt_dir))
+        key_file = tmp_path / "rlengine" / f"tinker-{server.url.rsplit(':', 1)[1]}.key"
+        try:
+            assert server.key_file == str(key_file) and oct(os.stat(key_file).st_mode & 0o777) == "0o600"
+            assert oct(os.stat(key_file.parent).st_mode & 0o777) == "0o700"
+            key = key_file.read_text().strip()
+            assert key == server.api_key and key.startswith("tml-")
+            assert error(call(server.url, "create_session", {}, key=None), 401, "unauthorized")
+            assert error(call(server.url, "create_session", {}, key=KEY_A), 401, "unauthorized")
+            assert session(server.url, key=key)
+        finally:
+            server.close()
+        assert not key_file.exists()
+        open_server = start(sim, TinkerServerConfig(checkpoint_dir=ckpt_dir, no_auth=True))
+        try:
+            assert (open_server.api_key, open_server.key_file) == (None, None)
+            assert session(open_server.url, key=KEY_B) and session(open_server.url, key="anything")
+        finally:
+            open_server.close()
 
 
 def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
@@ -216,7 +250,8 @@ def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
 
 
 def test_cancel_and_try_again(engine, ckpt_dir):
-    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, poll_timeout_s=0.2, max_futures=2))
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A, poll_timeout_s=0.2,
+                                              max_futures=2))
     try:
         base = server.url
         sid = session(base)
@@ -238,7 +273,8 @@ def test_cancel_and_try_again(engine, ckpt_dir):
 
 
 def test_sessions_without_heartbeat_expire(engine, ckpt_dir):
-    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, session_ttl_s=0.3, sweep_interval_s=0.05))
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A, session_ttl_s=0.3,
+                                              sweep_interval_s=0.05))
     try:
         sid = session(server.url)
         ssid = base_sampler(server.url, sid)
@@ -277,7 +313,7 @@ def test_futures_table_expires_and_bounds_entries():
 def test_the_sim_backend_samples_but_does_not_train(engine_config, ckpt_dir):
     """The control plane runs on the sim backend (no torch); training needs a model backend, and says so."""
     with rle.Engine(engine_config("sim")) as sim:
-        server = start(sim, TinkerServerConfig(checkpoint_dir=ckpt_dir))
+        server = start(sim, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A))
         try:
             caps = call(server.url, "get_server_capabilities", method="GET").json()["supported_models"]
             assert caps and not any(m["trainable"] for m in caps)
@@ -315,7 +351,7 @@ def test_healthz_reports_a_dead_engine(engine_config, ckpt_dir):
 
     served = LocalServer(engine_config("sim", sim={"fail_at_step": 2}), ServeConfig(http=False))
     server = asyncio.run_coroutine_threadsafe(start_async(served.engine, TinkerServerConfig(
-        checkpoint_dir=ckpt_dir)), served.loop).result(30)
+        checkpoint_dir=ckpt_dir, api_key=KEY_A)), served.loop).result(30)
     try:
         assert call(server.url, "healthz", method="GET").status_code == 200
         with pytest.raises(rle.EngineDeadError):

@@ -13,6 +13,8 @@ the base model, and the ``retrieve_futures`` polling mode.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -33,7 +35,6 @@ pytestmark = [
 WAIT = 120.0
 RANK = 8
 LORA_SEED = 3
-API_KEY = "tml-sdk-test"
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -80,7 +81,7 @@ def served(engine_config, tmp_path_factory):
     with rle.Engine(engine_config("torch")) as engine:
         server = start(engine, TinkerServerConfig(checkpoint_dir=str(tmp_path_factory.mktemp("tinker-ckpt")),
                                                   max_models=8))
-        client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        client = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
         try:
             yield engine, server, client
         finally:
@@ -222,7 +223,7 @@ def test_retrieve_futures_polling_mode(served):
     engine, server, client = served
     expected = _sample(client.create_sampling_client(base_model="tiny").result(WAIT), seed=5)
     polling = start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, sample_use_retrieve_futures=True))
-    other = tinker.ServiceClient(base_url=polling.url, api_key=API_KEY)
+    other = tinker.ServiceClient(base_url=polling.url, api_key=polling.api_key)
     try:
         sampler = other.create_sampling_client(base_model="tiny").result(WAIT)
         futures = [sampler.sample(types.ModelInput.from_ints(PROMPT), 3, types.SamplingParams(max_tokens=10, seed=5))
@@ -232,6 +233,33 @@ def test_retrieve_futures_polling_mode(served):
     finally:
         other.close("success").result(WAIT)
         polling.close()
+
+
+def test_the_sdk_needs_the_key_the_server_drew(served, tmp_path, monkeypatch):
+    """Without api_key the server draws one (``tml-...``) into a 0600 file: the SDK samples with it
+    and is refused with any other."""
+    from rlengine.tinker_api import TinkerServerConfig, start
+
+    engine, server, _ = served
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    keyed = start(engine, TinkerServerConfig(checkpoint_dir=server.service.root))
+    key_file = tmp_path / "rlengine" / f"tinker-{keyed.url.rsplit(':', 1)[1]}.key"
+    try:
+        assert keyed.key_file == str(key_file)
+        assert os.stat(key_file.parent).st_mode & 0o777 == 0o700 and os.stat(key_file).st_mode & 0o777 == 0o600
+        key = key_file.read_text().strip()
+        assert key == keyed.api_key and key.startswith("tml-")
+        stranger = tinker.ServiceClient(base_url=keyed.url, api_key="tml-guess")
+        with pytest.raises(tinker.AuthenticationError):
+            stranger.create_sampling_client(base_model="tiny").result(WAIT)
+        owner = tinker.ServiceClient(base_url=keyed.url, api_key=key)
+        try:
+            assert len(_sample(owner.create_sampling_client(base_model="tiny").result(WAIT))) == 3
+        finally:
+            owner.close("success").result(WAIT)
+    finally:
+        keyed.close()
+    assert not key_file.exists()
 
 
 def test_concurrent_old_and_new_samplers_each_get_their_own_weights(served):
