@@ -164,6 +164,21 @@ class RequestFuture(Generic[T]):
                 return
         fn(self)
 
+    def adopt(self, other: RequestFuture[T]) -> None:
+        """Become ``other``: take its request id and abort, and settle as it settles. For a
+        future handed out before its request existed (a prompt prepared off the loop)."""
+        self.request_id = other.request_id
+        self._abort = other._abort
+
+        def relay(f: RequestFuture[T]) -> None:
+            exc = f.exception(0)
+            if exc is None:
+                self.set_result(f.result(0))
+            else:
+                self.set_exception(exc)
+
+        other.add_done_callback(relay)
+
     def encoded(self) -> bytes:
         """The msgpack encoding of the result, produced once and cached (for IPC)."""
         if self._encoded is None:

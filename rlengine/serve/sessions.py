@@ -33,9 +33,14 @@ change what is recorded), its session is marked ``tainted`` (the trace says
 so), and the lease is written off automatically ``unknown_write_off_s``
 later, or when the session is retired, whichever is first.
 
-Loop thread only (the engines' loop), like the trace store under it. This
-module does no I/O: the IPC and HTTP servers translate wire messages into
-calls here.
+Loop thread only (the engines' loop), like the trace store under it, with
+one exception: a chat turn of ``_OFFLOAD_CHARS`` characters or more is
+rendered and tokenized on a render thread (the tokenizer releases the GIL;
+the loop keeps serving everyone else meanwhile), then submitted back on the
+loop; until then its future is a placeholder that an abandon or an abort
+settles as aborted, with nothing submitted. Inputs beyond what the model's
+context could hold are refused before any rendering. This module does no
+I/O: the IPC and HTTP servers translate wire messages into calls here.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -91,6 +97,10 @@ MAX_SAMPLES = 64
 """Most completions (``n``) one turn may ask for."""
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_OFFLOAD_CHARS = 8192
+"""A chat turn this long (characters in), or longer, is rendered and tokenized on the render
+thread: on the loop it would delay every other client by more than a few milliseconds (a
+26,624-character prompt took 13 ms to tokenize here)."""
 _encode_message = msgspec.msgpack.Encoder().encode
 
 OnTokens = Callable[[int, list[int], list[float], int], None]
@@ -226,6 +236,19 @@ def _prefix_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
     return keys
 
 
+class _Prepared(NamedTuple):
+    """A chat turn's prompt, rendered and tokenized (``SessionManager._prepare``)."""
+
+    full: str
+    """The whole conversation rendered, with the generation prompt."""
+    keys: list[bytes]
+    """Its prefix keys (empty for a stateless turn)."""
+    base: Boundary | None
+    """The stored position it continues (None: stateless)."""
+    ids: np.ndarray
+    """The tokens after ``base`` (all of them when stateless)."""
+
+
 class SessionManager:
     """Sessions over the replicas of ``router``, traced in ``store``. Loop thread only."""
 
@@ -246,6 +269,12 @@ class SessionManager:
         """Retired sessions whose traces await ``collect``, in retirement order."""
         self._turns: dict[str, tuple[int, Session | None]] = {}
         """Every turn in flight: request id -> (replica, session or None)."""
+        self.offload_chars = _OFFLOAD_CHARS
+        """Chat turns of this many characters or more are rendered and tokenized off the loop."""
+        self._preparing: dict[str, RequestFuture[TurnResult]] = {}
+        """Turns whose prompt the render thread is preparing (not yet submitted), by placeholder id."""
+        self._prepared = 0
+        self._render_pool: ThreadPoolExecutor | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -363,7 +392,12 @@ class SessionManager:
 
     @property
     def in_flight(self) -> int:
-        return len(self._turns)
+        return len(self._turns) + len(self._preparing)
+
+    def shutdown(self) -> None:
+        """Stop the render thread (after the turns it is preparing)."""
+        if self._render_pool is not None:
+            self._render_pool.shutdown(wait=False)
 
     def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
              on_tokens: OnTokens | None = None, tools: Any = None, tool_use: ToolUse = _FREE,
@@ -400,25 +434,80 @@ class SessionManager:
                                        parallel=tool_use.parallel, schema=tool_use.schema)
         if constraint is not None:
             params = msgspec.structs.replace(params, constraint=constraint)
+
+        def launch(prep: _Prepared) -> RequestFuture[TurnResult]:
+            return self._launch(session, prep, msgs, tools, parser, one_tool_call, params, n, on_tokens, affinity)
+
+        if chars < self.offload_chars:
+            return launch(self._prepare(session, renderer, msgs, tools))
+        return self._prepare_off_loop(session, renderer, msgs, tools, launch)
+
+    def _prepare(self, session: Session | None, renderer: ChatRenderer, msgs: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None) -> _Prepared:
+        """Render and tokenize a chat turn's prompt: from the session's longest stored match on.
+        Pure but for reading ``session.boundaries``: it may run on a worker thread."""
         full = renderer.render(msgs, True, tools)
         if session is None:
-            prompt = renderer.encode(full)
+            return _Prepared(full, [], None, np.asarray(renderer.encode(full), dtype=np.int32))
+        keys = _prefix_keys(msgs, tools)
+        base, text = self._resume_point(session, renderer, msgs, keys, full, tools)
+        return _Prepared(full, keys, base, np.asarray(renderer.encode(text), dtype=np.int32))
+
+    def _prepare_off_loop(self, session: Session | None, renderer: ChatRenderer, msgs: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None,
+                          launch: Callable[[_Prepared], RequestFuture[TurnResult]]) -> RequestFuture[TurnResult]:
+        """``_prepare`` on the render thread, then ``launch`` back on the loop; the future
+        handed out at once becomes the turn's (``RequestFuture.adopt``). Abandoned or aborted
+        before the turn exists, it settles as aborted and nothing is submitted."""
+        self._prepared += 1
+        pending_id = f"preparing-{self._prepared}"
+        out: RequestFuture[TurnResult] = RequestFuture(pending_id, self._drop_preparing)
+        self._preparing[pending_id] = out
+        if self._render_pool is None:
+            self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="rlengine-render")
+        job = asyncio.get_running_loop().run_in_executor(self._render_pool, self._prepare, session, renderer,
+                                                         msgs, tools)
+
+        def ready(job: asyncio.Future[_Prepared]) -> None:
+            if self._preparing.pop(pending_id, None) is None:
+                return  # abandoned meanwhile: settled already
+            try:
+                prep = job.result()
+                if session is not None and session.retired:
+                    raise SessionGone(f"session_id={session.session_id!r}: retired while its prompt was rendered")
+                out.adopt(launch(prep))
+            except Exception as exc:  # noqa: BLE001 - the turn's outcome, settled once
+                out.set_exception(exc)
+
+        job.add_done_callback(ready)
+        return out
+
+    def _drop_preparing(self, pending_id: str) -> None:
+        """Abort a turn whose prompt is still being rendered: it settles now, and is never submitted."""
+        out = self._preparing.pop(pending_id, None)
+        if out is not None:
+            out.set_exception(TurnAborted(f"turn {pending_id} was aborted before its prompt was rendered; "
+                                          "nothing was recorded"))
+
+    def _launch(self, session: Session | None, prep: _Prepared, msgs: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, parser: ToolParser | None, one_tool_call: bool,
+                params: SamplingParams, n: int, on_tokens: OnTokens | None,
+                affinity: str | None) -> RequestFuture[TurnResult]:
+        """Submit a prepared chat turn (loop thread)."""
+        if session is None:
 
             def reply(resp: SampleResponse, request_id: str) -> list[Choice]:
                 return [self._choice(seq, *self._reply(seq, params, parser, one_tool_call)[:2])
                         for seq in resp.sequences]
 
-            return self._submit(None, np.asarray(prompt, dtype=np.int32).tobytes(), params, n, on_tokens, reply,
-                                affinity)
-        keys = _prefix_keys(msgs, tools)
-        base, text = self._resume_point(session, renderer, msgs, keys, full, tools)
-        suffix = np.asarray(renderer.encode(text), dtype=np.int32)
-        prefix = self.store.path_tokens(session.session_id, base.handle)
-        prompt = prefix.tobytes() + suffix.tobytes()
+            return self._submit(None, prep.ids.tobytes(), params, n, on_tokens, reply, affinity)
+        base = prep.base
+        assert base is not None
+        prompt = self.store.path_tokens(session.session_id, base.handle).tobytes() + prep.ids.tobytes()
 
         def record(resp: SampleResponse, request_id: str) -> list[Choice]:
-            return self._record_chat(session, base, suffix, msgs, keys, full, tools, parser, one_tool_call, params,
-                                     resp, request_id)
+            return self._record_chat(session, base, prep.ids, msgs, prep.keys, prep.full, tools, parser,
+                                     one_tool_call, params, resp, request_id)
 
         return self._submit(session, prompt, params, n, on_tokens, record)
 
@@ -576,6 +665,9 @@ class SessionManager:
         turn is aborted, records nothing and poisons nothing. True: its outcome
         is unknown: the lease poisons the gate, the session is tainted, and the
         lease is written off after ``unknown_write_off_s`` (or at retirement)."""
+        if request_id in self._preparing:
+            self._drop_preparing(request_id)  # not submitted yet: nothing can have reached the client
+            return
         entry = self._turns.get(request_id)
         if entry is None:
             return
@@ -627,6 +719,9 @@ class SessionManager:
         """Abort every turn in flight (shutdown): each settles as aborted, nothing recorded."""
         for request_id, (replica, _session) in list(self._turns.items()):
             self.router.engines[replica].abort(request_id)
+        for pending_id in list(self._preparing):
+            self._drop_preparing(pending_id)
+        self.shutdown()
 
     # -- rewards and traces -----------------------------------------------------------------
 

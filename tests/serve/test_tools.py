@@ -267,3 +267,109 @@ def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_oth
         thread.join(WAIT)
     assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # generous: a shared 2-core VM
     assert client.chat.completions.create(model="tiny", messages=USER).choices[0].message.content == "fine"
+
+
+class _SlowEncode:
+    """A renderer whose tokenizer takes ``delay_s`` (sleeping, as the tokenizer releases the GIL)
+    for every text of more than ``above`` characters: what a prompt near a large context costs."""
+
+    def __init__(self, renderer, delay_s: float, above: int) -> None:
+        self._renderer, self.delay_s, self.above = renderer, delay_s, above
+        self.slow_calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        import time
+
+        if len(text) > self.above:
+            self.slow_calls += 1
+            time.sleep(self.delay_s)
+        return self._renderer.encode(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._renderer, name)
+
+
+@pytest.fixture
+def slow_render(served):
+    """Chat turns of 500 characters or more rendered off the loop, by a tokenizer that takes 0.6 s."""
+    sessions = served.server.sessions
+    renderer, offload = sessions.renderer, sessions.offload_chars
+    slow = _SlowEncode(renderer, 0.6, 400)
+    sessions.renderer, sessions.offload_chars = slow, 500
+    yield slow
+    sessions.renderer, sessions.offload_chars = renderer, offload
+
+
+def test_a_long_prompt_is_tokenized_off_the_loop_while_others_stay_served(served, client, slow_render):
+    """A prompt that takes 0.6 s to tokenize: a probe's requests meanwhile are answered at once
+    (on the loop, every one of them waited for it), and the turn's trace is exactly the one an
+    on-loop turn stores."""
+    import http.client
+    import threading
+    import time
+    from urllib.parse import urlparse
+
+    from serving import http_trace, open_http_session
+
+    script(served, "fine")
+    long = [{"role": "user", "content": "lorem ipsum " * 60}]  # 720 characters
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        url = urlparse(served.http_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {served.api_key}"})
+            conn.getresponse().read()
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.002)
+        conn.close()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        off_loop = open_http_session(served)
+        with openai.OpenAI(base_url=off_loop["base_url"], api_key=off_loop["token"], max_retries=0,
+                           timeout=WAIT) as c:
+            assert c.chat.completions.create(model="tiny", messages=long).choices[0].message.content == "fine"
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    assert slow_render.slow_calls == 1
+    assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # the encode alone took 0.6 s
+    # The same turn rendered on the loop: the same stored tokens.
+    served.server.sessions.offload_chars = 10**9
+    on_loop = open_http_session(served)
+    with openai.OpenAI(base_url=on_loop["base_url"], api_key=on_loop["token"], max_retries=0, timeout=WAIT) as c:
+        c.chat.completions.create(model="tiny", messages=long)
+    assert slow_render.slow_calls == 2
+    (a,), (b,) = (http_trace(served, s)["trajectories"] for s in (off_loop, on_loop))
+    assert a["tokens"] == b["tokens"] and a["loss_mask"] == b["loss_mask"] and len(a["tokens"]) > 100
+
+
+def test_a_turn_abandoned_while_its_prompt_renders_is_aborted_and_never_submitted(served, client, slow_render):
+    from rlengine.protocol import TurnAborted
+    from rlengine.types import SamplingParams
+
+    script(served, "first", "second")
+    sessions = served.server.sessions
+    long = [{"role": "user", "content": "lorem ipsum " * 60}]
+
+    def start():
+        fut = sessions.chat(None, long, SamplingParams(max_tokens=8))
+        assert sessions.in_flight == 1 and fut.request_id.startswith("preparing-")
+        sessions.abandon(fut.request_id, "the client went away")
+        return fut
+
+    fut = served.on_loop(start)
+    assert isinstance(fut.exception(WAIT), TurnAborted)
+    import time
+
+    time.sleep(0.8)  # the render thread finishes it meanwhile: it is dropped, not submitted
+    assert served.on_loop(lambda: sessions.in_flight) == 0
+    reply = client.chat.completions.create(model="tiny", messages=USER)
+    assert reply.choices[0].message.content == "first"  # the backend never saw the abandoned turn
