@@ -10,11 +10,14 @@ What it must not do: fake any part of the server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -112,3 +115,35 @@ def rss_mb() -> float:
     """This process's resident memory, in MiB (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@contextlib.contextmanager
+def probing(served: Served) -> Iterator[list[float]]:
+    """Within the block, a client thread asks ``GET /v1/models`` every 2 ms over one keep-alive
+    connection; yields the list of its latencies (seconds), complete after the block."""
+    import http.client
+    from urllib.parse import urlparse
+
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        url = urlparse(served.http_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {served.api_key}"})
+            conn.getresponse().read()
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.002)
+        conn.close()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        yield latencies
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(WAIT)

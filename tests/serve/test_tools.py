@@ -14,7 +14,7 @@ import json
 
 import openai
 import pytest
-from serving import WAIT, script, script_tokens, scripted
+from serving import WAIT, http_trace, open_http_session, probing, script, script_tokens, scripted
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -229,30 +229,8 @@ def test_top_logprobs_within_the_backends_limit(served, client):
 def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_others_stay_served(served, client):
     # 10 M characters (under the 16 MiB body limit): before the check, rendering and tokenizing it
     # on the loop stalled every client for seconds. A probe asks for the models meanwhile.
-    import http.client
-    import threading
-    import time
-    from urllib.parse import urlparse
-
     script(served, "fine")
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        url = urlparse(served.http_url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {served.api_key}"})
-            conn.getresponse().read()
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.002)
-        conn.close()
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    try:
-        time.sleep(0.05)
+    with probing(served) as latencies:
         big = [{"role": "user", "content": "lorem ipsum " * 833_334}]
         with pytest.raises(openai.BadRequestError, match="maximum context length is 2048 tokens") as info:
             client.chat.completions.create(model="tiny", messages=big)
@@ -261,10 +239,6 @@ def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_oth
         medium = [{"role": "user", "content": "lorem ipsum " * 10_000}]  # read, but refused before rendering
         with pytest.raises(openai.BadRequestError, match="120000 characters cannot fit"):
             client.chat.completions.create(model="tiny", messages=medium)
-        time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join(WAIT)
     assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # generous: a shared 2-core VM
     assert client.chat.completions.create(model="tiny", messages=USER).choices[0].message.content == "fine"
 
@@ -304,41 +278,13 @@ def test_a_long_prompt_is_tokenized_off_the_loop_while_others_stay_served(served
     """A prompt that takes 0.6 s to tokenize: a probe's requests meanwhile are answered at once
     (on the loop, every one of them waited for it), and the turn's trace is exactly the one an
     on-loop turn stores."""
-    import http.client
-    import threading
-    import time
-    from urllib.parse import urlparse
-
-    from serving import http_trace, open_http_session
-
     script(served, "fine")
     long = [{"role": "user", "content": "lorem ipsum " * 60}]  # 720 characters
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        url = urlparse(served.http_url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT)
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {served.api_key}"})
-            conn.getresponse().read()
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.002)
-        conn.close()
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    try:
-        time.sleep(0.05)
+    with probing(served) as latencies:
         off_loop = open_http_session(served)
         with openai.OpenAI(base_url=off_loop["base_url"], api_key=off_loop["token"], max_retries=0,
                            timeout=WAIT) as c:
             assert c.chat.completions.create(model="tiny", messages=long).choices[0].message.content == "fine"
-        time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join(WAIT)
     assert slow_render.slow_calls == 1
     assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # the encode alone took 0.6 s
     # The same turn rendered on the loop: the same stored tokens.
