@@ -11,6 +11,11 @@
   sync is measured in one run of this file. The same runs give the share of
   each step's wall time in which the sampler ran no backend step (the
   engine's ``busy_s`` counter), median over steps.
+* **cost of dumping**: the copy recipe for 40 steps without and with
+  ``dump_rollouts``, rounds alternating (3 each), medians of steps/s over
+  steps 2-40 and their ratio, the bytes written per step (mean step file),
+  and, from each round's dumps, ``train_from`` steps/s (training alone,
+  nothing sampled).
 * **guess recipe**: ``rlengine train guess`` with its defaults (every game
   in a sandbox process over IPC), seed 0: mean reward over the first and
   last 10 steps, the held-out evaluations (each digit once, greedy), the
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -94,6 +100,33 @@ def test_sync_vs_async_steps_per_second(benchmark, tmp_path, cache):
     benchmark.extra_info.update(info)
     print()
     print(info)
+
+
+def steps_per_second(steps: list[dict]) -> float:
+    return (len(steps) - 1) / (steps[-1]["time_s"] - steps[0]["time_s"])
+
+
+def test_dump_rollouts_cost(record, tmp_path, cache):
+    def rounds() -> dict:
+        rates: dict[str, list[float]] = {"plain": [], "dump": [], "train_from": []}
+        sizes: list[int] = []
+        for r in range(ROUNDS):
+            rates["plain"].append(steps_per_second(run_copy(tmp_path / f"r{r}-plain", cache, steps=STEPS,
+                                                            eval_every=0)))
+            dumps = tmp_path / f"r{r}-dumps"
+            rates["dump"].append(steps_per_second(run_copy(tmp_path / f"r{r}-dump", cache, steps=STEPS,
+                                                           eval_every=0, dump_rollouts=dumps)))
+            sizes += [p.stat().st_size for p in Path(dumps).glob("step-*.msgpack")]
+            outcome = train(None, {"train_from": str(dumps)}, run_dir=str(tmp_path / f"r{r}-replay"))
+            assert outcome.error is None, outcome.error
+            rates["train_from"].append(steps_per_second(read_jsonl(outcome.metrics_path)))
+        plain, dump = statistics.median(rates["plain"]), statistics.median(rates["dump"])
+        return {"plain_steps_per_s": plain, "dump_steps_per_s": dump, "ratio_dump_over_plain": dump / plain,
+                "train_from_steps_per_s": statistics.median(rates["train_from"]),
+                "bytes_per_step": statistics.mean(sizes),
+                "rounds": {k: [round(x, 3) for x in v] for k, v in rates.items()}}
+
+    record(rounds)
 
 
 def test_guess_recipe_through_sandboxes(benchmark, tmp_path, cache):

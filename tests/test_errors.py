@@ -25,7 +25,7 @@ _SAMPLE_ARGS = {
     "field": "sampling_params.top_p", "value": 1.5, "reason": "must be in (0, 1]", "leases": [(3, "agent-1", "gone")],
     "max_bytes": 1024, "memory_bytes": 1000, "tokens": 7, "session": "s-1", "batch": 4, "steps": 9, "length": 3,
     "where": "env.step", "signum": 15, "name": "SIGTERM", "context": 2048, "what": "failed attempts", "share": 0.9,
-    "bound": 0.5, "message": "sandbox 0 exited with code 3",
+    "bound": 0.5, "message": "sandbox 0 exited with code 3", "path": "dumps/step-000001.msgpack",
 }
 
 

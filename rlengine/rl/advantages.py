@@ -11,7 +11,8 @@
   ``importance_sampling`` / ``ppo`` / ``cispo`` losses: input tokens, next-token
   targets, the sampler's logprobs, the advantage on every sampled token
   (zero on observation tokens) and, with an entropy bonus, a ``mask`` of
-  sampled tokens (the bonus's weights). Consecutive turns whose observation extends the previous
+  sampled tokens (the bonus's weights); beside each datum, its mask and the
+  engine policy version of each sampled target token. Consecutive turns whose observation extends the previous
   context token for token share one datum; a turn that does not (the
   environment rewrote the context) starts a new one.
 * ``is_stale`` is the staleness rule of ``max_steps_off_policy``.
@@ -28,7 +29,7 @@ import numpy as np
 from rlengine.rl.types import Trajectory, TrajectoryGroup
 from rlengine.types import Datum, ModelInput
 
-__all__ = ["GroupVerdict", "assess_group", "group_advantages", "is_stale", "trajectory_datums"]
+__all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "trajectory_datums"]
 
 
 class GroupVerdict(NamedTuple):
@@ -74,25 +75,38 @@ def is_stale(oldest_version: int | None, current_version: int, max_steps_off_pol
     return oldest_version is not None and current_version - oldest_version > max_steps_off_policy
 
 
-class _Segment:
-    """One datum under construction: tokens, and per token whether it was sampled."""
+class SampledDatum(NamedTuple):
+    """One datum of a trajectory, with its mask of sampled target tokens and the engine
+    policy version that sampled each of them (-1 on every other position)."""
 
-    __slots__ = ("logprobs", "sampled", "tokens")
+    datum: Datum
+    mask: np.ndarray
+    versions: np.ndarray
+
+
+class _Segment:
+    """One datum under construction: tokens, and per token whether it was sampled (and by which version)."""
+
+    __slots__ = ("logprobs", "sampled", "tokens", "versions")
 
     def __init__(self, prompt: np.ndarray) -> None:
         self.tokens = [prompt]
         self.sampled = [np.zeros(prompt.shape[0], dtype=bool)]
         self.logprobs = [np.zeros(prompt.shape[0], dtype=np.float32)]
+        self.versions = [np.full(prompt.shape[0], -1, dtype=np.int64)]
 
-    def extend(self, tokens: np.ndarray, sampled: bool, logprobs: np.ndarray | None = None) -> None:
+    def extend(self, tokens: np.ndarray, sampled: bool, logprobs: np.ndarray | None = None,
+               versions: np.ndarray | None = None) -> None:
         self.tokens.append(tokens)
         self.sampled.append(np.full(tokens.shape[0], sampled))
         self.logprobs.append(logprobs if logprobs is not None else np.zeros(tokens.shape[0], dtype=np.float32))
+        self.versions.append(versions.astype(np.int64) if versions is not None
+                             else np.full(tokens.shape[0], -1, dtype=np.int64))
 
     def context(self) -> np.ndarray:
         return np.concatenate(self.tokens)
 
-    def datum(self, advantage: float, with_mask: bool) -> tuple[Datum, np.ndarray] | None:
+    def datum(self, advantage: float, with_mask: bool) -> SampledDatum | None:
         tokens = np.concatenate(self.tokens).astype(np.int64)
         if tokens.shape[0] < 2:
             return None
@@ -104,13 +118,13 @@ class _Segment:
                   "advantages": (mask * advantage).astype(np.float32)}
         if with_mask:
             inputs["mask"] = mask
-        return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs), mask
+        return SampledDatum(Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs), mask,
+                            np.concatenate(self.versions)[1:])
 
 
-def trajectory_datums(trajectory: Trajectory, advantage: float, *,
-                      with_mask: bool) -> list[tuple[Datum, np.ndarray]]:
-    """The datums of one trajectory, each with its mask of sampled target tokens; see
-    the module docstring. ``with_mask`` also puts the mask into the datum (the
+def trajectory_datums(trajectory: Trajectory, advantage: float, *, with_mask: bool) -> list[SampledDatum]:
+    """The datums of one trajectory, each with its mask of sampled target tokens and their
+    versions; see the module docstring. ``with_mask`` also puts the mask into the datum (the
     ``mask`` input, which the trainer accepts only with an entropy bonus)."""
     segments: list[_Segment] = []
     current: _Segment | None = None
@@ -126,7 +140,8 @@ def trajectory_datums(trajectory: Trajectory, advantage: float, *,
         if current is None:
             current = _Segment(prompt)
             segments.append(current)
-        current.extend(t.action.tokens_array(), sampled=True, logprobs=t.action.logprobs_array())
+        current.extend(t.action.tokens_array(), sampled=True, logprobs=t.action.logprobs_array(),
+                       versions=t.action.versions_array())
     out = []
     for segment in segments:
         datum = segment.datum(advantage, with_mask)

@@ -15,6 +15,12 @@ groups arrive in the order their rollouts finish, and the training must not
 depend on timing. ``train_metrics`` and ``record`` make the step's metrics
 line; every group also leaves one ledger entry saying what became of it.
 
+Every training call goes through one place (``_issue``), which also
+records it: ``to_dump`` turns the step into a ``dump.StepDump`` (the calls
+as submitted, their datums, the trained groups), ``from_dump`` rebuilds a
+step from one and ``replay`` submits its calls again. Without a training
+client (``rollout_only``) the calls are recorded and not submitted.
+
 ``WorkItem`` and ``RolloutResult`` are what the pipeline's queues carry
 (the dataloader's builders, the workers' groups).
 
@@ -32,9 +38,10 @@ import numpy as np
 
 from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
 from rlengine.rl.config import TrainConfig
+from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
 from rlengine.rl.metrics import reward_stats
 from rlengine.rl.types import EnvGroupBuilder, TrajectoryGroup
-from rlengine.types import AdamParams, Datum
+from rlengine.types import AdamParams, Datum, TensorData
 
 if TYPE_CHECKING:
     from rlengine.core.clients import TrainingClient
@@ -57,7 +64,7 @@ class RolloutResult(NamedTuple):
 class StepBatch:
     """What one training step collects from its groups, and the training calls it makes of them."""
 
-    def __init__(self, cfg: TrainConfig, training: TrainingClient, step: int, updates: int,
+    def __init__(self, cfg: TrainConfig, training: TrainingClient | None, step: int, updates: int,
                  policy_version: Callable[[int], int]) -> None:
         self.cfg = cfg
         self.training = training
@@ -73,6 +80,14 @@ class StepBatch:
         self.tokens = 0
         self.datums: list[Datum] = []
         self.masks: list[np.ndarray] = []
+        self.versions: list[np.ndarray] = []
+        """Per datum (aligned with ``masks``): the policy version of each sampled target token, -1 elsewhere."""
+        self.keys: list[tuple[int, int, int]] = []
+        """(group index, attempt, datum) of each datum in ``datums``."""
+        self.groups: list[DumpedGroup] = []
+        self.calls: list[ForwardBackwardCall | OptimStepCall] = []
+        """Every training call, in the order submitted."""
+        self._replayed: list[ForwardBackwardCall | OptimStepCall] = []
         self.pending_datums: list[Datum] = []
         self.pending_keys: list[tuple[int, int, int]] = []
         """(group index, attempt, datum) of each pending datum: the batch's order, whatever
@@ -126,12 +141,16 @@ class StepBatch:
         self.counts["groups_trained"] += 1
         if oldest is not None:
             self.staleness.append(self.updates - oldest)
+        self.groups.append(DumpedGroup(group=item.index, attempt=item.attempt, rewards=verdict.rewards,
+                                       trajectories=verdict.kept, advantages=verdict.advantages))
+        offset = self.policy_version(0)  # policy versions are engine versions shifted by a constant
         for i, advantage in zip(verdict.kept, verdict.advantages):
-            for j, (datum, mask) in enumerate(trajectory_datums(group.trajectories[i], advantage,
-                                                                 with_mask=cfg.entropy_coef > 0)):
+            for j, (datum, mask, versions) in enumerate(trajectory_datums(group.trajectories[i], advantage,
+                                                                           with_mask=cfg.entropy_coef > 0)):
                 self.pending_datums.append(datum)
                 self.pending_keys.append((item.index, i, j))
                 self.masks.append(mask)
+                self.versions.append(np.where(versions >= 0, versions + offset, -1))
         self.pending_groups += 1
         if cfg.num_minibatches > 1 and self.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
             self._submit_minibatch()
@@ -145,14 +164,31 @@ class StepBatch:
         first = len(self.masks) - len(keys)
         self.pending_datums = [self.pending_datums[i] for i in order]
         self.masks[first:] = [self.masks[first + i] for i in order]
+        self.versions[first:] = [self.versions[first + i] for i in order]
         self.pending_keys = [keys[i] for i in order]
+
+    def _issue(self, call: ForwardBackwardCall | OptimStepCall) -> Any:
+        """Submit one training call (or, without a training client, only record it); returns its future."""
+        self.calls.append(call)
+        if isinstance(call, OptimStepCall):
+            if len(self.calls) == len(self.fb) + 1:
+                # The step's first update: the forward passes before it ran on the weights that sampled.
+                self.on_policy = len(self.fb)
+            return None if self.training is None else self.training.optim_step(call.adam)
+        future = None if self.training is None else self.training.forward_backward(
+            [self.datums[i] for i in call.datums], call.loss_fn, call.loss_fn_config)
+        self.fb.append((future, call.datums))
+        return future
+
+    def _forward_backward(self, idx: list[int]) -> None:
+        self._issue(ForwardBackwardCall(datums=idx, loss_fn=self.cfg.loss_fn, loss_fn_config=self.cfg.loss_fn_config()))
 
     def _submit_minibatch(self) -> None:
         if self.pending_datums:
-            future = self.training.forward_backward(self.pending_datums, self.cfg.loss_fn, self.cfg.loss_fn_config())
             first = len(self.datums)
-            self.fb.append((future, list(range(first, first + len(self.pending_datums)))))
             self.datums += self.pending_datums
+            self.keys += self.pending_keys
+            self._forward_backward(list(range(first, len(self.datums))))
         self.pending_datums, self.pending_keys, self.pending_groups = [], [], 0
 
     def submit(self, adam: AdamParams) -> list[Any]:
@@ -168,18 +204,51 @@ class StepBatch:
             self._in_group_order()
         if cfg.num_substeps == 1:
             self._submit_minibatch()
-            self.on_policy = len(self.fb)
-            return [self.training.optim_step(adam)] if self.fb else []
-        datums, self.pending_datums, self.pending_keys = self.pending_datums, [], []
-        self.datums = datums
-        order = np.random.default_rng([cfg.seed, self.step]).permutation(len(datums))
+            return [self._issue(OptimStepCall(adam=adam))] if self.fb else []
+        self.datums, self.keys = self.pending_datums, self.pending_keys
+        self.pending_datums, self.pending_keys = [], []
+        order = np.random.default_rng([cfg.seed, self.step]).permutation(len(self.datums))
         optims = []
-        for k in range(min(cfg.num_substeps, len(datums))):
-            idx = order[k::cfg.num_substeps].tolist()
-            self.fb.append((self.training.forward_backward([datums[i] for i in idx], cfg.loss_fn,
-                                                           cfg.loss_fn_config()), idx))
-            optims.append(self.training.optim_step(adam))
-        self.on_policy = min(1, len(self.fb))
+        for k in range(min(cfg.num_substeps, len(self.datums))):
+            self._forward_backward(order[k::cfg.num_substeps].tolist())
+            optims.append(self._issue(OptimStepCall(adam=adam)))
+        return optims
+
+    def to_dump(self, learning_rate: float) -> StepDump:
+        """The step as ``dump_rollouts`` writes it: its calls as submitted, their datums, its groups."""
+        datums = [DumpedDatum(group=g, trajectory=t, segment=j, datum=d, mask=TensorData.from_numpy(m),
+                              versions=TensorData.from_numpy(v))
+                  for (g, t, j), d, m, v in zip(self.keys, self.datums, self.masks, self.versions)]
+        return StepDump(format=FORMAT_VERSION, step=self.step, updates=self.updates, learning_rate=learning_rate,
+                        calls=list(self.calls), datums=datums, groups=sorted(self.groups, key=lambda g: g.group),
+                        rewards=list(self.rewards), counts=dict(self.counts), staleness=list(self.staleness),
+                        tokens_sampled=self.tokens, env_metrics=self.env_metrics, tag_rewards=self.tag_rewards)
+
+    @classmethod
+    def from_dump(cls, cfg: TrainConfig, training: TrainingClient, dump: StepDump) -> StepBatch:
+        """A step rebuilt from its dump, ready to ``replay``: its datums, and the rollout figures of its metrics."""
+        # Versions were converted when the step was dumped; a replayed step takes in no group.
+        batch = cls(cfg, training, dump.step, dump.updates, policy_version=int)
+        batch.rewards, batch.counts, batch.staleness = list(dump.rewards), Counter(dump.counts), list(dump.staleness)
+        batch.tokens, batch.env_metrics, batch.tag_rewards = dump.tokens_sampled, dump.env_metrics, dump.tag_rewards
+        batch.consumed = sum(v for k, v in dump.counts.items() if k.startswith("groups_") and k != "groups_resampled_stale")
+        batch.datums = [d.datum for d in dump.datums]
+        batch.masks = [d.mask.to_numpy() for d in dump.datums]
+        batch.versions = [d.versions.to_numpy() for d in dump.datums]
+        batch.keys = [(d.group, d.trajectory, d.segment) for d in dump.datums]
+        batch.groups = list(dump.groups)
+        batch.ledger = [{"step": dump.step, "group": g.group, "attempt": g.attempt, "rewards": g.rewards,
+                         "disposition": "trained"} for g in dump.groups]
+        batch._replayed = list(dump.calls)
+        return batch
+
+    def replay(self) -> list[Any]:
+        """Submit a dumped step's calls again, in order; returns the optimizer steps' futures."""
+        optims = []
+        for call in self._replayed:
+            future = self._issue(call)
+            if isinstance(call, OptimStepCall):
+                optims.append(future)
         return optims
 
     def train_metrics(self, outputs: list[tuple[Any, list[int]]], optim_outs: list[Any]) -> dict[str, float]:

@@ -6,7 +6,8 @@
 * 0 - the run finished;
 * 1 - a stage raised, or the data ran out before the requested steps (the
   error is printed with the stage it came from);
-* 2 - a configuration error (nothing was started);
+* 2 - a configuration error, or a ``--train-from`` directory whose
+  ``meta.json`` cannot be read (nothing was started);
 * 128 + N - stopped by signal N (130 for Ctrl-C).
 
 Without a recipe it runs ``copy``. The progress bar (tqdm, on stderr, only
@@ -47,6 +48,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for metrics, checkpoints and the reward curve (default: ./runs/RECIPE-TIME)")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its newest checkpoint, with its stored settings")
+    p.add_argument("--dump-rollouts", metavar="DIR", default=None,
+                   help="write each step's training calls, their datums (tokens, logprobs, advantages, masks, "
+                        "policy versions) and trained groups to DIR (setting dump_rollouts)")
+    p.add_argument("--rollout-only", action="store_true",
+                   help="sample and dump (needs --dump-rollouts) without training: the policy stays the initial "
+                        "one (setting rollout_only)")
+    p.add_argument("--train-from", metavar="DIR", default=None,
+                   help="train on the steps dumped in DIR with the dumping run's settings, sampling nothing "
+                        "(setting train_from)")
     p.add_argument("--list", action="store_true", help="list the built-in recipes and every setting, then exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway off a terminal)")
 
@@ -140,21 +150,29 @@ def run(args: argparse.Namespace) -> int:
         return _list()
     from rlengine.errors import ConfigurationError
     from rlengine.rl.config import parse_overrides
-    from rlengine.rl.errors import RunInterrupted
+    from rlengine.rl.errors import RolloutDumpError, RunInterrupted
     from rlengine.rl.run import train
 
     recipe, pairs = _split(args.settings)
     progress = _Progress(enabled=not args.no_progress)
     try:
         overrides = parse_overrides(pairs)
+        for key, value in (("dump_rollouts", args.dump_rollouts), ("rollout_only", "true" if args.rollout_only else None),
+                           ("train_from", args.train_from)):
+            if value is not None:
+                if key in overrides:
+                    raise ConfigurationError(f"{key}={overrides[key]!r}: given twice (also as "
+                                             f"--{key.replace('_', '-')})")
+                overrides[key] = value
         if args.resume is not None:
             run_dir = args.resume
         else:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            run_dir = args.run_dir or os.path.join("runs", f"{(recipe or 'copy').rpartition(':')[2]}-{stamp}")
+            name = recipe or ("train-from" if args.train_from is not None else "copy")
+            run_dir = args.run_dir or os.path.join("runs", f"{name.rpartition(':')[2]}-{stamp}")
         outcome = train(recipe, overrides, run_dir=run_dir, resume=args.resume is not None,
                         on_step=progress.step, on_eval=progress.evaluation, on_start=progress.start)
-    except ConfigurationError as exc:
+    except (ConfigurationError, RolloutDumpError) as exc:
         progress.close()
         print(f"rlengine train: {exc}", file=sys.stderr)
         return _EXIT_CONFIG

@@ -97,6 +97,15 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """The summary reports the first step whose mean reward reaches it."""
     wandb_project: str | None = None
     """Log to Weights & Biases under this project when wandb is installed (never unasked)."""
+    dump_rollouts: str | None = None
+    """Write each step's training calls, their datums and the trained groups to this directory
+    (``rlengine.rl.dump``: ``meta.json`` and one ``step-NNNNNN.msgpack`` per step)."""
+    rollout_only: bool = False
+    """Sample and dump (needs ``dump_rollouts``) without training: no forward_backward, optimizer
+    step or weight install, so every step samples the initial policy."""
+    train_from: str | None = None
+    """Train on the steps dumped in this directory, sampling nothing: the same training calls, in
+    order, with the same datums and ``AdamParams``. Settings and recipe come from its ``meta.json``."""
 
     def __post_init__(self) -> None:
         _integer("seed", self.seed, minimum=None)
@@ -134,6 +143,15 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             if v >= 1.0:
                 raise ConfigurationError(f"{name}={v!r}: must be in [0, 1)")
         _number("target_reward", self.target_reward, minimum=None)
+        if self.rollout_only and self.train_from is not None:
+            raise ConfigurationError(f"rollout_only={self.rollout_only!r}: train_from={self.train_from!r} trains "
+                                     "without sampling; rollout_only samples without training")
+        if self.rollout_only and self.dump_rollouts is None:
+            raise ConfigurationError(f"rollout_only={self.rollout_only!r}: needs dump_rollouts=DIR for what "
+                                     "it samples")
+        if self.train_from is not None and self.dump_rollouts is not None:
+            raise ConfigurationError(f"dump_rollouts={self.dump_rollouts!r}: train_from={self.train_from!r} "
+                                     "samples nothing to dump")
 
     @property
     def resolved_workers(self) -> int:
@@ -151,7 +169,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
 
 RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkpoints", "call_timeout_s",
-                            "episode_timeout_s", "shutdown_grace_s", "target_reward", "wandb_project", "cache_dir"})
+                            "episode_timeout_s", "shutdown_grace_s", "target_reward", "wandb_project", "cache_dir",
+                            "dump_rollouts"})
 """Settings a resumed run may change: they do not change what is sampled or trained."""
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from rlengine.errors import RLEngineError
 
-__all__ = ["CheckpointError", "DataExhausted", "FailureBudgetExceeded", "InvalidReward", "RunInterrupted",
-           "StageTimeout"]
+__all__ = ["CheckpointError", "DataExhausted", "FailureBudgetExceeded", "InvalidReward", "RolloutDumpError",
+           "RunInterrupted", "StageTimeout"]
 
 
 class DataExhausted(RLEngineError, RuntimeError):
@@ -60,3 +60,12 @@ class StageTimeout(RLEngineError, TimeoutError):
 
 class CheckpointError(RLEngineError, OSError):
     """A checkpoint could not be written or read, or does not match this run."""
+
+
+class RolloutDumpError(RLEngineError, ValueError):
+    """A rollout dump file (``train_from``) cannot be read: missing, corrupt, of another
+    format version, or not the step it should hold. ``path`` names the file."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {reason}")

@@ -36,6 +36,16 @@ connected by queues:
   install waits for it, so the evaluation of step k samples policy k alone
   (its ``version_min`` = ``version_max`` = k), whatever the timing.
 
+Two modes change the stages (``TrainConfig``). With ``rollout_only`` the
+training loop records the training calls of each step (``dump_rollouts``)
+and submits none: no forward_backward, optimizer step or weight install,
+and the starting weights are not installed either, so every step samples
+the initial policy. With ``train_from`` only the training loop runs: each
+step is read from its dump and its calls submitted again (``replay``); no
+dataloader, rollout worker or evaluation, and no weight install (nothing
+samples). With ``dump_rollouts`` every step's dump is written once its
+training calls have completed, before its metrics line.
+
 Shutdown is a cascade, never a hope. A normal end flows down the chain
 above. Any stage raising (or ``interrupt``, for signals) records the first
 error, sets the abort event that every wait in every stage also watches,
@@ -61,6 +71,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng, restore_rng
 from rlengine.rl.config import TrainConfig
+from rlengine.rl.dump import read_step, step_files, write_step
 from rlengine.rl.errors import DataExhausted, FailureBudgetExceeded, RunInterrupted, StageTimeout
 from rlengine.rl.metrics import RunLog, reward_stats
 from rlengine.rl.rollouts import rollout_group
@@ -132,6 +143,9 @@ class TrainingRun:
         self._clock0 = 0.0
         self._last_step_end = 0.0
         self._last_busy: float | None = None
+        self._dumps = step_files(config.train_from) if config.train_from is not None else []
+        self.dump_bytes = 0
+        """Bytes of step dumps written (``dump_rollouts``)."""
 
     # -- shutdown --------------------------------------------------------------------
 
@@ -182,25 +196,33 @@ class TrainingRun:
         self.eval_q: asyncio.Queue[Any] = asyncio.Queue()
         self._evals_settled = asyncio.Event()
         self._evals_settled.set()
+        cfg = self.cfg
         self.training = self.engine.training_client()
         self._clock0 = time.monotonic() - self._elapsed0
         if self.resume is not None:
-            await self._call(self.training.load_state(f"{self.resume[0]}/trainer"))
+            if not cfg.rollout_only:
+                await self._call(self.training.load_state(f"{self.resume[0]}/trainer"))
             restore_rng(self.resume[1].rng)
-        self._v0 = (await self._call(self.training.save_weights_for_sampler())).version
+        if cfg.rollout_only:
+            self._v0 = self.engine.stats()["version"]
+        elif cfg.train_from is None:
+            self._v0 = (await self._call(self.training.save_weights_for_sampler())).version
         self.sampler = self.engine.sampling_client()
         self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
         self._last_step_end = time.monotonic()
         self._last_busy = self._sampler_busy()
-        if self.cfg.eval_every and self.eval_dataset is not None and self.step % self.cfg.eval_every == 0:
-            # Step 0's evaluation, or a resumed run's at its checkpoint when the run was
-            # killed between the checkpoint and that evaluation (once: see ``evaluated``).
-            self._request_eval(self.step)
-        stages: dict[str, Callable[[], Awaitable[None]]] = {"dataloader": self._dataloader}
-        for i in range(self.n_workers):
-            stages[f"rollout worker {i}"] = self._worker
-        stages["training loop"] = self._trainer
-        stages["evaluation loop"] = self._evaluator
+        if cfg.train_from is not None:
+            stages: dict[str, Callable[[], Awaitable[None]]] = {"training loop": self._trainer}
+        else:
+            if cfg.eval_every and self.eval_dataset is not None and self.step % cfg.eval_every == 0:
+                # Step 0's evaluation, or a resumed run's at its checkpoint when the run was
+                # killed between the checkpoint and that evaluation (once: see ``evaluated``).
+                self._request_eval(self.step)
+            stages = {"dataloader": self._dataloader}
+            for i in range(self.n_workers):
+                stages[f"rollout worker {i}"] = self._worker
+            stages["training loop"] = self._trainer
+            stages["evaluation loop"] = self._evaluator
         tasks = {asyncio.create_task(self._stage(name, fn), name=f"rlengine.rl: {name}"): name
                  for name, fn in stages.items()}
         await self._supervise(tasks)
@@ -345,7 +367,8 @@ class TrainingRun:
         finally:
             # The training loop signals evaluation: a last evaluation after a
             # normal end, then stop.
-            if self._finished and self.cfg.eval_every and self.eval_dataset is not None:
+            if self._finished and self.cfg.eval_every and self.eval_dataset is not None \
+                    and self.cfg.train_from is None:
                 self._request_eval(self.step)
             self.eval_q.put_nowait(EVAL_STOP)
             self._request_stop()
@@ -376,7 +399,10 @@ class TrainingRun:
     async def _train_step(self) -> bool:
         cfg = self.cfg
         step = self.step + 1
-        batch = StepBatch(cfg, self.training, step, self.updates, self._policy_version)
+        if cfg.train_from is not None:
+            return await self._replay_step(step)
+        batch = StepBatch(cfg, None if cfg.rollout_only else self.training, step, self.updates,
+                          self._policy_version)
         while batch.consumed < cfg.groups_per_batch:
             result = await self._next_result()
             if result is None:
@@ -390,18 +416,47 @@ class TrainingRun:
         adam = AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm)
         optims = batch.submit(adam)
-        if optims:
+        if optims and not cfg.rollout_only:
             # The evaluation of step k samples policy k only: the install waits for it.
             if await self._until_aborted(self._evals_settled.wait()) is None:
                 return False
             install = self.training.save_weights_for_sampler()
-            outputs = [(await self._call(f), idx) for f, idx in batch.fb]
-            optim_outs = [await self._call(o) for o in optims]
-            await self._call(install)
-            if self._abort.is_set():
+            train_metrics = await self._train(batch, optims, lr, install)
+            if train_metrics is None:
                 return False
-            self.updates += 1
-            train_metrics = batch.train_metrics(outputs, optim_outs) | {"learning_rate": lr}
+        if cfg.dump_rollouts is not None:
+            self.dump_bytes += await asyncio.to_thread(write_step, cfg.dump_rollouts, batch.to_dump(lr))
+        return await self._finish_step(batch, train_metrics, train_started)
+
+    async def _train(self, batch: StepBatch, optims: list[Any], lr: float,
+                     install: Any = None) -> dict[str, float] | None:
+        """Await a step's training calls (and its install); its training columns, None on abort."""
+        outputs = [(await self._call(f), idx) for f, idx in batch.fb]
+        optim_outs = [await self._call(o) for o in optims]
+        if install is not None:
+            await self._call(install)
+        if self._abort.is_set():
+            return None
+        self.updates += 1
+        return batch.train_metrics(outputs, optim_outs) | {"learning_rate": lr}
+
+    async def _replay_step(self, step: int) -> bool:
+        """One step of ``train_from``: its dump read back and its training calls submitted again."""
+        dump = await asyncio.to_thread(read_step, self._dumps[step - 1], step)
+        batch = StepBatch.from_dump(self.cfg, self.training, dump)
+        train_started = time.monotonic()
+        optims = batch.replay()
+        train_metrics: dict[str, float] = {}
+        if optims:
+            train_metrics = await self._train(batch, optims, dump.learning_rate)
+            if train_metrics is None:
+                return False
+        return await self._finish_step(batch, train_metrics, train_started)
+
+    async def _finish_step(self, batch: StepBatch, train_metrics: dict[str, float], train_started: float) -> bool:
+        """The step's metrics line, ledger, failure check, checkpoint and evaluation request."""
+        cfg = self.cfg
+        step = batch.step
         now = time.monotonic()
         busy = self._sampler_busy()
         wall = now - self._last_step_end

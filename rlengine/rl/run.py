@@ -6,14 +6,18 @@ train`` calls and what a program may call instead:
 1. the recipe's defaults and the ``key=value`` overrides make the
    ``TrainConfig`` and the recipe's own options; a resumed run takes both
    from ``config.json`` in the run directory (only settings that do not
-   change what is sampled or trained may be overridden);
+   change what is sampled or trained may be overridden); a ``train_from``
+   run takes them from the dump directory's ``meta.json`` (overrides on top),
+   so that it builds the same model from the same seed, and trains as many
+   steps as were dumped, with no evaluations (they would sample);
 2. on resume, the newest complete checkpoint is found and the run's
    JSON-lines logs are cut back to its step;
 3. the engine starts on a fresh uvloop loop in this thread, with SIGINT and
    SIGTERM turned into ``TrainingRun.interrupt`` (a bounded, cascading stop);
 4. the recipe's ``attach`` starts what its environments need beside the
-   engine (a server, sandboxes), ``TrainingRun`` runs; both are closed,
-   then the engine, whatever happened;
+   engine (a server, sandboxes; not for ``train_from``, which samples
+   nothing), ``TrainingRun`` runs; both are closed, then the engine,
+   whatever happened;
 5. the summary is computed from the files and the reward curve drawn
    (``reward.png``; skipped with one log line where matplotlib is missing).
 
@@ -24,6 +28,7 @@ into an exit code. This module must not define training logic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -38,6 +43,7 @@ from rlengine.core.engine import Engine, new_event_loop
 from rlengine.errors import ConfigurationError
 from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
 from rlengine.rl.config import RESUME_MUTABLE, TrainConfig, convert
+from rlengine.rl.dump import read_meta, start_dump, step_files, step_path
 from rlengine.rl.errors import CheckpointError
 from rlengine.rl.loop import TrainingRun
 from rlengine.rl.metrics import (
@@ -118,6 +124,38 @@ def _store_config(run_dir: str, recipe: str, config: TrainConfig, options: Any) 
     replace_file(os.path.join(run_dir, CONFIG_FILE), msgspec.json.format(msgspec.json.encode(stored)))
 
 
+_NOT_REPLAYED = ("dump_rollouts", "rollout_only", "train_from")
+
+
+def _train_from_config(recipe_name: str | None, overrides: dict[str, Any]) -> tuple[Recipe, TrainConfig,
+                                                                                    msgspec.Struct]:
+    """A ``train_from`` run's recipe and settings: the dumping run's (``meta.json``), with
+    ``overrides`` on top, as many steps as were dumped and no evaluations."""
+    directory = os.path.abspath(str(overrides["train_from"]))
+    meta = read_meta(directory)
+    if recipe_name is not None and recipe_name != meta["recipe"]:
+        raise ConfigurationError(f"recipe={recipe_name!r}: the dumps in {directory!r} were sampled by recipe "
+                                 f"{meta['recipe']!r}")
+    files = step_files(directory)
+    if not files:
+        raise ConfigurationError(f"train_from={directory!r}: holds no step dumps (step-NNNNNN.msgpack)")
+    stored = {k: v for k, v in meta["train"].items() if k not in _NOT_REPLAYED}
+    the_recipe = load_recipe(meta["recipe"])
+    config, options = build_config(the_recipe, {**stored, **meta["options"], "eval_every": 0, "steps": len(files),
+                                                **overrides, "train_from": directory})
+    if config.eval_every:
+        raise ConfigurationError(f"eval_every={config.eval_every}: a train_from run samples nothing, "
+                                 "evaluations included")
+    assert config.steps is not None
+    if config.steps > len(files):
+        raise ConfigurationError(f"steps={config.steps}: {directory!r} holds {len(files)} step dumps")
+    for step in range(1, config.steps + 1):
+        if files[step - 1] != step_path(directory, step):
+            raise ConfigurationError(f"train_from={directory!r}: {os.path.basename(step_path(directory, step))} "
+                                     f"is missing (the dumps skip from step {step - 1})")
+    return the_recipe, config, options
+
+
 def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     """The recipe's engine settings plus what the run needs: seed, drain policy, room for
     every sequence a step may have in flight, a close no longer than the grace period, and
@@ -152,14 +190,22 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
         for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE):
             rewind_jsonl(os.path.join(run_dir, name), last)
     else:
-        recipe_name = recipe or "copy"
-        the_recipe = load_recipe(recipe_name)
-        config, options = build_config(the_recipe, overrides)
+        if overrides.get("train_from") not in (None, "none", "null"):
+            the_recipe, config, options = _train_from_config(recipe, overrides)
+            recipe_name = the_recipe.name
+        else:
+            recipe_name = recipe or "copy"
+            the_recipe = load_recipe(recipe_name)
+            config, options = build_config(the_recipe, overrides)
+        if config.dump_rollouts is not None:
+            config = msgspec.structs.replace(config, dump_rollouts=os.path.abspath(config.dump_rollouts))
         if os.path.exists(os.path.join(run_dir, METRICS_FILE)):
             raise ConfigurationError(f"run_dir={run_dir!r}: holds a run already (resume it with --resume, "
                                      "or choose another directory)")
         os.makedirs(run_dir, exist_ok=True)
         _store_config(run_dir, recipe_name, config, options)
+    if config.dump_rollouts is not None:
+        start_dump(config.dump_rollouts, recipe_name, config, options, resume=resume)
     dataset, eval_dataset = the_recipe.datasets(config, options)
     engine_config = _engine_config(config, the_recipe.engine_config(config, options))
     total = config.steps if config.steps is not None else len(dataset)
@@ -189,7 +235,9 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
             except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
                 pass
         try:
-            async with Engine(engine_config) as engine, the_recipe.attach(engine, dataset, eval_dataset):
+            async with Engine(engine_config) as engine, (
+                    contextlib.nullcontext() if config.train_from is not None
+                    else the_recipe.attach(engine, dataset, eval_dataset)):
                 evaluated = [e["step"] for e in read_jsonl(os.path.join(run_dir, EVAL_FILE))] if resume else []
                 run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
                                   resume=checkpoint, on_step=on_step, on_eval=on_eval, evaluated=evaluated)

@@ -82,14 +82,15 @@ def test_staleness_rule(oldest, current, k, stale):
 def test_single_turn_datum_targets_logprobs_advantages_and_mask():
     t = Transition(observation=Observation(prompt=ModelInput.from_ints([5, 6, 7])),
                    action=seq([8, 9], [-0.1, -0.2]), reward=1.0, done=True)
-    [(datum, mask)] = trajectory_datums(Trajectory(transitions=[t]), 1.5, with_mask=True)
+    [(datum, mask, versions)] = trajectory_datums(Trajectory(transitions=[t]), 1.5, with_mask=True)
     assert datum.model_input.to_ints() == [5, 6, 7, 8]
     inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
     assert inputs["target_tokens"].tolist() == [6, 7, 8, 9]
     np.testing.assert_allclose(inputs["logprobs"], [0, 0, -0.1, -0.2], rtol=1e-6)
     assert inputs["advantages"].tolist() == [0, 0, 1.5, 1.5]
     assert inputs["mask"].tolist() == mask.tolist() == [0, 0, 1, 1]
-    [(bare, _)] = trajectory_datums(Trajectory(transitions=[t]), 1.5, with_mask=False)
+    assert versions.tolist() == [-1, -1, 1, 1]  # the version that sampled each target token
+    [(bare, _, _)] = trajectory_datums(Trajectory(transitions=[t]), 1.5, with_mask=False)
     assert "mask" not in bare.loss_fn_inputs
 
 
@@ -98,15 +99,16 @@ def test_multi_turn_extending_observations_share_one_datum_and_a_rewrite_splits(
                     done=False)
     # Turn 2 extends the context token for token: prompt + action + environment tokens.
     t2 = Transition(observation=Observation(prompt=ModelInput.from_ints([1, 2, 3, 4, 50, 51])),
-                    action=seq([6], [-0.3]), reward=1.0, done=False)
+                    action=seq([6], [-0.3], version=2), reward=1.0, done=False)
     # Turn 3 rewrote the context (not a prefix): a new datum.
     t3 = Transition(observation=Observation(prompt=ModelInput.from_ints([9, 9])), action=seq([7]), reward=0.0,
                     done=True)
     out = trajectory_datums(Trajectory(transitions=[t1, t2, t3]), -1.0, with_mask=True)
     assert len(out) == 2
-    (first, mask1), (second, mask2) = out
+    (first, mask1, versions1), (second, mask2, _) = out
     assert first.model_input.to_ints() == [1, 2, 3, 4, 50, 51]
     assert first.loss_fn_inputs["target_tokens"].tolist() == [2, 3, 4, 50, 51, 6]
     assert mask1.tolist() == [0, 1, 1, 0, 0, 1]
+    assert versions1.tolist() == [-1, 1, 1, -1, -1, 2]  # turn 2 was sampled after a weight install
     assert first.loss_fn_inputs["advantages"].tolist() == [0, -1, -1, 0, 0, -1]
     assert second.model_input.to_ints() == [9, 9] and mask2.tolist() == [0, 1]

@@ -44,10 +44,11 @@ def test_trace_becomes_one_transition_per_sampled_run():
     assert [tr.done for tr in t.transitions] == [False, False, True]
     assert t.transitions[-1].metrics == {"found": 1.0} and t.versions() == (3, 4)
     # Every turn extends the last context: one training sequence for the episode.
-    (datum, sampled), = trajectory_datums(t, 0.5, with_mask=False)
+    (datum, sampled, sampled_versions), = trajectory_datums(t, 0.5, with_mask=False)
     assert datum.model_input.to_ints() == tokens[:-1].tolist()
     np.testing.assert_array_equal(datum.loss_fn_inputs["target_tokens"].to_numpy(), tokens[1:])
     np.testing.assert_array_equal(sampled, mask[1:])
+    np.testing.assert_array_equal(sampled_versions, np.where(mask[1:] > 0, versions[1:], -1))
     np.testing.assert_allclose(datum.loss_fn_inputs["advantages"].to_numpy(), 0.5 * mask[1:])
     np.testing.assert_allclose(datum.loss_fn_inputs["logprobs"].to_numpy(), logprobs[1:])
     with pytest.raises(SandboxError, match="no sampled tokens"):
