@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -109,27 +110,25 @@ def _reachable(path: str) -> bool:
     return mode & need == need
 
 
-def _reachable_all(path: str) -> bool:
-    """Whether other users can reach ``path`` through every directory above it, and it too."""
-    parts = path.split(os.sep)
-    return all(_reachable(os.sep.join(parts[:i]) or os.sep) for i in range(1, len(parts) + 1))
-
-
-def _hidden(needed: list[str]) -> dict[str, list[str]]:
+def _hidden(needed: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """For the directories a worker under another uid needs: the topmost directory on each one's
     path that other users cannot traverse, mapped to the needed directories under it (what
-    ``_confine.hide`` mounts back for the worker). A needed directory that is itself closed to
-    others is left out: mounting it back would not open it."""
+    ``_confine.hide`` mounts back for the worker); and the needed directories that are themselves
+    closed to others (mounting them back would not open them)."""
     dirs = sorted({os.path.realpath(d) for d in needed if os.path.isdir(d)})
     dirs = [d for d in dirs if not any(d != o and d.startswith(o + os.sep) for o in dirs)]
     plan: dict[str, list[str]] = {}
+    closed: list[str] = []
     for d in dirs:
+        if not _reachable(d):
+            closed.append(d)
+            continue
         parts = d.split(os.sep)
         top = next((os.sep.join(parts[:i]) or os.sep for i in range(2, len(parts))
                     if not _reachable(os.sep.join(parts[:i]))), None)
-        if top is not None and _reachable(d):
+        if top is not None:
             plan.setdefault(top, []).append(d)
-    return plan
+    return plan, closed
 
 
 def _rlimits(limits: dict[str, int | None]) -> list[tuple[int, int]]:
@@ -196,7 +195,6 @@ class SandboxPool:
         self.limits = {"address_space_bytes": address_space_bytes, "open_files": open_files,
                        "cpu_seconds": cpu_seconds}
         self._uid_base = _UID_BASE + (os.getpid() % 1000) * _UID_SLOTS if os.geteuid() == 0 else None
-        self._warned = False
         self.size = size
         self.args = args
         self.job_timeout_s = job_timeout_s
@@ -225,22 +223,24 @@ class SandboxPool:
         return [os.path.dirname(os.path.dirname(os.path.abspath(rlengine.__file__))), os.getcwd(),
                 *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
 
-    def _confinement(self, uid: int, workdir: str) -> tuple[str, ...]:
-        """The arguments that start a root trainer's worker through ``_confine`` (under ``uid``,
-        what it needs of directories closed to others mounted back for it)."""
+    @functools.cached_property
+    def _hide_plan(self) -> dict[str, list[str]]:
+        """What a worker under another uid needs of directories closed to others (``_hidden``),
+        worked out once per pool; it warns once about what such a worker cannot read at all."""
         import site
 
         needed = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
                   *site.getsitepackages(), *self._import_paths()]
-        hidden = _hidden(needed)
-        kept = [d for dirs in hidden.values() for d in dirs]
-        closed = sorted(d for d in {os.path.realpath(p) for p in self._import_paths() if os.path.isdir(p)}
-                        if not _reachable_all(d) and not any(d == k or d.startswith(k + os.sep) for k in kept))
-        if closed and not self._warned:
-            self._warned = True
-            log.warning("rlengine.rl: sandbox workers run under uid %d and cannot read %s (closed to other "
-                        "users): a worker module there cannot be imported", uid, ", ".join(closed))
-        plan = {"uid": uid, "hide": hidden, "stage": os.path.join(workdir, ".confine"),
+        plan, closed = _hidden(needed)
+        if closed:
+            log.warning("rlengine.rl: sandbox workers run under uids of their own and cannot read %s (closed to "
+                        "other users): a worker module there cannot be imported", ", ".join(closed))
+        return plan
+
+    def _confinement(self, uid: int, workdir: str) -> tuple[str, ...]:
+        """The arguments that start a root trainer's worker through ``_confine`` (under ``uid``,
+        what it needs of directories closed to others mounted back for it)."""
+        plan = {"uid": uid, "hide": self._hide_plan, "stage": os.path.join(workdir, ".confine"),
                 "limits": _rlimits(self.limits)}
         return ("-I", _CONFINE, _encode(plan).decode())
 

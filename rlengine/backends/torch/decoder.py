@@ -146,6 +146,8 @@ class DecoderRunner:
     def __init__(self, model: Any, max_len: int, *, batch_invariant: bool = False) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
+        self._rows = _in_row_chunks if batch_invariant else _direct
+        """How a row-wise module (projection, MLP, LM head) is applied to a batch's rows."""
         try:
             inner = model.model
             self.embed = inner.embed_tokens
@@ -171,11 +173,10 @@ class DecoderRunner:
     # -- the decoder layers ----------------------------------------------------------
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                store: Any, rows: Any = None) -> torch.Tensor:
+                store: Any) -> torch.Tensor:
         """Run every layer on ``x`` [B, L, hidden]; ``store(layer, k, v)`` writes the new K/V
-        into the cache and returns the keys/values to attend over; ``rows(fn, h)`` applies a
-        row-wise module (default: directly; ``_in_row_chunks`` for batch invariance)."""
-        rows = rows or _direct
+        into the cache and returns the keys/values to attend over."""
+        rows = self._rows
         b, n, _ = x.shape
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -208,7 +209,7 @@ class DecoderRunner:
         each prompt's last position [B, vocab] and, where asked, the logprob of
         every prompt token after the first."""
         if not self.batch_invariant:
-            return self._prefill(prompts, first_slot, want_prompt_logprobs, _direct)
+            return self._prefill(prompts, first_slot, want_prompt_logprobs)
         # Each run of equal-length prompts on its own, rows in fixed chunks: no padding, so a
         # prompt's numbers are its own whatever is prefilled with it.
         logits: list[torch.Tensor] = []
@@ -217,14 +218,14 @@ class DecoderRunner:
         for _, run in itertools.groupby(prompts, key=len):
             n = len(list(run))
             part, lps = self._prefill(prompts[start:start + n], first_slot + start,
-                                      want_prompt_logprobs[start:start + n], _in_row_chunks)
+                                      want_prompt_logprobs[start:start + n])
             logits.append(part)
             prompt_logprobs += lps
             start += n
         return torch.cat(logits), prompt_logprobs
 
-    def _prefill(self, prompts: list[list[int]], first_slot: int, want_prompt_logprobs: list[bool],
-                 rows: Any) -> tuple[torch.Tensor, list[list[float] | None]]:
+    def _prefill(self, prompts: list[list[int]], first_slot: int,
+                 want_prompt_logprobs: list[bool]) -> tuple[torch.Tensor, list[list[float] | None]]:
         b = len(prompts)
         lengths = [len(p) for p in prompts]
         n = max(lengths)
@@ -251,7 +252,7 @@ class DecoderRunner:
             cache.v[layer][first_slot:first_slot + b, :, :n] = v
             return k, v
 
-        hidden = self._layers(self.embed(ids), positions, mask, store, rows)
+        hidden = self._layers(self.embed(ids), positions, mask, store)
         last = hidden[torch.arange(b, device=self.device), torch.as_tensor(lengths, device=self.device) - 1]
         prompt_logprobs: list[list[float] | None] = []
         for i, want in enumerate(want_prompt_logprobs):
@@ -260,7 +261,7 @@ class DecoderRunner:
                 continue
             targets = ids[i, 1:lengths[i]]
             prompt_logprobs.append(self.target_logprobs(hidden[i, :lengths[i] - 1], targets).tolist())
-        return rows(self.lm_head, last).float(), prompt_logprobs
+        return self._rows(self.lm_head, last).float(), prompt_logprobs
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log_softmax(logits)[target] per position, in chunks of positions."""
@@ -287,8 +288,5 @@ class DecoderRunner:
             cv[rows, :, lengths] = v[:, :, 0]
             return ck[:s, :, :span], cv[:s, :, :span]
 
-        if not self.batch_invariant:
-            hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], mask, store)
-            return self._logits(hidden[:, 0])
-        hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], mask, store, _in_row_chunks)
-        return _in_row_chunks(self.lm_head, hidden[:, 0]).float()
+        hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], mask, store)
+        return self._rows(self.lm_head, hidden[:, 0]).float()
