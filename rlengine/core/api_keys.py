@@ -20,6 +20,7 @@ import os
 import secrets
 import stat
 
+from rlengine.core.config import is_loopback
 from rlengine.errors import ConfigurationError
 
 __all__ = ["DrawnKey", "check_auth", "runtime_dir"]
@@ -27,9 +28,15 @@ __all__ = ["DrawnKey", "check_auth", "runtime_dir"]
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def check_auth(api_key: str | None, no_auth: bool, key_file: str | None) -> None:
+def check_auth(api_key: str | None, no_auth: bool, key_file: str | None, host: str | None = None) -> None:
     """The settings a server config shares: a key, or ``no_auth``, or neither (a key is drawn); ``key_file``
-    only where one is drawn."""
+    only where one is drawn; a ``host`` beyond loopback only with ``api_key`` (None: nothing is bound)."""
+    if api_key is not None and not api_key:
+        raise ConfigurationError("api_key='': must be a non-empty secret or None")
+    if host is not None and api_key is None and not is_loopback(host):
+        raise ConfigurationError(f"host={host!r}: not a loopback address; serving beyond this machine needs "
+                                 "api_key (a shared secret every request must then carry)"
+                                 + ("; no_auth=True is for loopback only" if no_auth else ""))
     if not isinstance(no_auth, bool):
         raise ConfigurationError(f"no_auth={no_auth!r}: must be True or False")
     if no_auth and api_key is not None:

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rlengine.core.api_keys import DrawnKey, check_auth
-from rlengine.core.config import is_loopback
 from rlengine.core.engine import Engine
 from rlengine.core.futures import RequestFuture
 from rlengine.errors import ConfigurationError, RLEngineError
@@ -137,13 +136,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError(f"trace_max_bytes={self.trace_max_bytes!r}: must be an integer >= 0")
         if not (self.ipc or self.http):
             raise ConfigurationError("ipc=False and http=False: nothing to serve")
-        if self.http and self.api_key is None and not is_loopback(self.host):
-            raise ConfigurationError(f"host={self.host!r}: not a loopback address; serving beyond this machine "
-                                     "needs api_key (every request must then carry it)"
-                                     + ("; no_auth=True is for loopback only" if self.no_auth else ""))
-        if self.api_key is not None and not self.api_key:
-            raise ConfigurationError("api_key='': must be a non-empty secret or None")
-        check_auth(self.api_key, self.no_auth, self.key_file)
+        check_auth(self.api_key, self.no_auth, self.key_file, self.host if self.http else None)
         if self.tool_parser is not None and self.tool_parser not in PARSERS:
             raise ConfigurationError(f"tool_parser={self.tool_parser!r}: unknown; known: {', '.join(sorted(PARSERS))}")
 

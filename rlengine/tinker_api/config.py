@@ -16,7 +16,6 @@ import math
 import msgspec
 
 from rlengine.core.api_keys import check_auth
-from rlengine.core.config import is_loopback
 from rlengine.errors import ConfigurationError
 
 __all__ = ["TinkerServerConfig"]
@@ -73,11 +72,5 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")
-        if self.api_key is not None and not self.api_key:
-            raise ConfigurationError("api_key='': must be a non-empty secret or None")
-        if self.api_key is None and not is_loopback(self.host):
-            raise ConfigurationError(f"host={self.host!r}: not a loopback address; serving beyond this machine "
-                                     "needs api_key (a shared secret)"
-                                     + ("; no_auth=True is for loopback only" if self.no_auth else ""))
-        check_auth(self.api_key, self.no_auth, self.key_file)
+        check_auth(self.api_key, self.no_auth, self.key_file, self.host)
 
