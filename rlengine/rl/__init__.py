@@ -2,7 +2,8 @@
 
 ``types`` holds the abstractions (``Env``, ``AgentEnv``, ``EnvGroupBuilder``,
 ``RLDataset``, trajectories), ``rollouts`` runs them through the engine,
-``sandbox`` runs agent episodes in sandbox processes over IPC, ``advantages``
+``sandbox`` runs agent episodes in sandbox processes over IPC, ``agents``
+agent programs (any framework, any language) over HTTP, ``advantages``
 turns groups into training data, ``loop`` is the pipeline with its shutdown
 cascade, ``batch`` one training step's batch and the training calls it
 makes, ``checkpoint``, ``metrics`` and ``plot`` what a run leaves on disk,

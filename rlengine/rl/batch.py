@@ -40,7 +40,7 @@ from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
 from rlengine.rl.metrics import reward_stats
-from rlengine.rl.types import EnvGroupBuilder, TrajectoryGroup
+from rlengine.rl.types import FAILURE_KINDS, EnvGroupBuilder, TrajectoryGroup
 from rlengine.types import AdamParams, Datum, TensorData
 
 if TYPE_CHECKING:
@@ -121,6 +121,9 @@ class StepBatch:
                                skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
         self.rewards += verdict.rewards
         self.counts["attempts_failed"] += verdict.failed
+        for t in group.trajectories:
+            if t.failure is not None:
+                self.counts[f"attempts_failed_{t.failure.kind}"] += 1
         for tag in group.tags:
             self.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
         for t in group.trajectories:
@@ -294,7 +297,9 @@ class StepBatch:
             "groups_dropped_constant_reward": self.counts["groups_dropped_constant_reward"],
             "groups_dropped_too_few_survivors": self.counts["groups_dropped_too_few_survivors"],
             "groups_resampled_stale": self.counts["groups_resampled_stale"],
-            "attempts_failed": self.counts["attempts_failed"], "datums": len(self.datums),
+            "attempts_failed": self.counts["attempts_failed"],
+            **{f"attempts_failed_{kind}": self.counts[f"attempts_failed_{kind}"] for kind in FAILURE_KINDS},
+            "datums": len(self.datums),
             "staleness_mean": float(np.mean(self.staleness)) if self.staleness else float("nan"),
             "staleness_max": max(self.staleness) if self.staleness else None,
             **train_metrics, "tokens_sampled": self.tokens, "tokens_per_s": self.tokens / wall if wall else 0.0,
@@ -307,4 +312,5 @@ class StepBatch:
 
 
 def _failure_record(failure: Any) -> dict[str, Any]:
-    return {"stage": failure.stage, "error": failure.error, "message": failure.message, "turn": failure.turn}
+    return {"stage": failure.stage, "kind": failure.kind, "error": failure.error, "message": failure.message,
+            "turn": failure.turn}

@@ -105,6 +105,8 @@ class _Progress:
         if self.bar is not None:
             self.bar.n = record["step"]
             post = {"reward": _fmt(record.get("reward_mean"))}
+            if record.get("attempts_failed"):
+                post["failed"] = _failures(record)
             if self.eval is not None:
                 post["eval"] = _fmt(self.eval)
             self.bar.set_postfix(post, refresh=False)
@@ -122,6 +124,15 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _failures(record: dict[str, Any]) -> str:
+    """Failed attempts, with their kinds: ``3 (crash 2, timeout 1)``."""
+    from rlengine.rl.types import FAILURE_KINDS
+
+    kinds = [f"{kind} {record[f'attempts_failed_{kind}']}" for kind in FAILURE_KINDS
+             if record.get(f"attempts_failed_{kind}")]
+    return f"{record.get('attempts_failed', 0)}" + (f" ({', '.join(kinds)})" if kinds else "")
+
+
 def _summary(outcome: Any, recipe: str) -> list[str]:
     s = outcome.summary
     lines = [f"rlengine train {recipe}: {s.get('steps', 0)} steps in {_fmt(s.get('time_s'), 1)} s"
@@ -136,7 +147,7 @@ def _summary(outcome: Any, recipe: str) -> list[str]:
     if s.get("steps"):
         lines.append(f"  groups dropped: {s['groups_dropped_constant_reward']} constant reward, "
                      f"{s['groups_dropped_too_few_survivors']} too few survivors; re-sampled stale: "
-                     f"{s['groups_resampled_stale']}; failed attempts: {s['attempts_failed']}; sampler idle "
+                     f"{s['groups_resampled_stale']}; failed attempts: {_failures(s)}; sampler idle "
                      f"{_fmt(100 * s['sampler_idle_frac_median'] if s.get('sampler_idle_frac_median') is not None else None, 0)}%")
     lines.append(f"  run dir: {outcome.run_dir}" + ("  (reward curve: reward.png)" if outcome.png_path else ""))
     return lines

@@ -39,6 +39,7 @@ from rlengine.core.clients import SamplingClient
 from rlengine.errors import EngineDeadError, RequestError
 from rlengine.rl.errors import InvalidReward
 from rlengine.rl.types import (
+    FAILURE_KINDS,
     AgentEnv,
     AttemptFailure,
     Env,
@@ -57,7 +58,12 @@ __all__ = ["rollout_group", "run_episode"]
 log = logging.getLogger("rlengine")
 
 def _failure(stage: str, exc: BaseException, turn: int) -> AttemptFailure:
-    return AttemptFailure(stage=stage, error=type(exc).__name__, message=str(exc)[:500], turn=turn)
+    # A sandbox's failure says what it was (``SandboxError.kind``); an engine that refused a
+    # request failed the way an HTTP error does; anything else is the environment's own.
+    kind = getattr(exc, "kind", None)
+    if kind not in FAILURE_KINDS:
+        kind = "http" if isinstance(exc, RequestError) else "timeout" if isinstance(exc, TimeoutError) else "other"
+    return AttemptFailure(stage=stage, error=type(exc).__name__, message=str(exc)[:500], turn=turn, kind=kind)
 
 
 def _check_reward(where: str, value: object) -> float:
@@ -173,7 +179,8 @@ async def _bounded_episode(env: Env | AgentEnv, client: SamplingClient, params: 
     except TimeoutError as exc:
         return Trajectory(transitions=[], failure=AttemptFailure(
             stage="timeout", error=type(exc).__name__,
-            message=f"episode_timeout_s={timeout_s}: not done after {time.monotonic() - started:.1f} s", turn=-1))
+            message=f"episode_timeout_s={timeout_s}: not done after {time.monotonic() - started:.1f} s", turn=-1,
+            kind="timeout"))
 
 
 async def rollout_group(builder: EnvGroupBuilder, client: SamplingClient, params: SamplingParams, seed: int, *,

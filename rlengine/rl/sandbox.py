@@ -17,11 +17,15 @@ tokens, logprobs and policy versions the server stored.
 * ``SessionEnv`` (an ``AgentEnv``) opens a session on the server for its
   episode, sends the worker the session's id and token with the task, then
   collects the session's trace and turns it into a ``Trajectory``
-  (``trace_trajectory``): one transition per sampled segment, whose
-  observation is everything before it, the reward on the last one.
+  (``session_trajectory``): one transition per sampled segment, whose
+  observation is everything before it, the reward on the last one (a
+  session that branched: ``rlengine.rl.agents`` says how, ``branches``).
 * ``worker_main(play)`` (sandbox side) is the worker loop: it connects one
   ``AsyncClient`` to the socket and runs ``play(client, job)`` for every job
-  line, concurrently, until stdin closes.
+  line, concurrently, until stdin closes (``serve_job_lines``; HTTP agents
+  use ``rlengine.rl.agents.agent_main``, in a pool started without a socket).
+  An answer that failed says its ``kind`` (``failure_kind``: ``http``,
+  ``timeout`` or ``error``); a worker that died is a ``crash``.
 
 Workers are confined: each starts with a scrubbed environment (an allow-list:
 ``PATH``, ``LANG``, ``PYTHONPATH`` to import rlengine and the module, a
@@ -62,7 +66,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -75,7 +79,11 @@ from rlengine.types import ModelInput, SampledSequence, SamplingParams
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["SandboxError", "SandboxPool", "SessionEnv", "trace_trajectory", "worker_main"]
+__all__ = ["Branches", "SandboxError", "SandboxPool", "SessionEnv", "failure_kind", "not_dumpable", "serve_job_lines",
+           "session_trajectory", "worker_main"]
+
+Branches = Literal["all", "last"]
+"""Which branches of a session an episode trains (``rlengine.rl.agents`` says how)."""
 
 log = logging.getLogger("rlengine")
 
@@ -151,7 +159,7 @@ def _limit(pid: int, limits: dict[str, int | None]) -> None:
             resource.prlimit(pid, which, (value, value))
 
 
-def _not_dumpable() -> None:
+def not_dumpable() -> None:
     """PR_SET_DUMPABLE 0: processes of the same user can no longer ptrace this one or read its
     ``/proc/<pid>/mem`` and ``environ`` (Linux; elsewhere a no-op)."""
     if sys.platform != "linux":
@@ -186,10 +194,13 @@ class SandboxPool:
 
     def __init__(self, module: str, size: int, *, args: tuple[str, ...] = (), job_timeout_s: float = 120.0,
                  grace_s: float = 3.0, env: dict[str, str] | None = None, address_space_bytes: int | None = 8 << 30,
-                 open_files: int = 1024, cpu_seconds: int | None = None) -> None:
+                 open_files: int = 1024, cpu_seconds: int | None = None, readable: tuple[str, ...] = ()) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size={size!r}: must be an integer >= 1")
         self.module = module
+        self.readable = tuple(readable)
+        """Directories workers read beyond the import paths (an agent program's own), mounted back
+        for workers under uids of their own when they are in directories closed to others."""
         self.env = dict(env or {})
         """Variables a worker gets beyond the allow-list (nothing else of the trainer's environment)."""
         self.limits = {"address_space_bytes": address_space_bytes, "open_files": open_files,
@@ -200,6 +211,7 @@ class SandboxPool:
         self.job_timeout_s = job_timeout_s
         self.grace_s = grace_s
         self.socket_path: str | None = None
+        self._started = False
         self._workers: list[_Worker | None] = [None] * size
         self._spawning: dict[int, asyncio.Task[_Worker]] = {}
         self._next_job = 0
@@ -209,8 +221,12 @@ class SandboxPool:
         self.crashed = 0
 
 
-    async def start(self, socket_path: str) -> SandboxPool:
+    async def start(self, socket_path: str | None) -> SandboxPool:
+        """Start the workers; ``socket_path`` is the IPC server's (each worker gets a connected
+        socket as ``fd:N``), None for workers that reach the engine otherwise (HTTP agents,
+        ``rlengine.rl.agents``: their command line is then ``python -m module [args]``)."""
         self.socket_path = socket_path
+        self._started = True
         for i in range(self.size):
             await self._spawn(i)
         return self
@@ -230,7 +246,7 @@ class SandboxPool:
         import site
 
         needed = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-                  *site.getsitepackages(), *self._import_paths()]
+                  *site.getsitepackages(), *self._import_paths(), *self.readable]
         plan, closed = _hidden(needed)
         if closed:
             log.warning("rlengine.rl: sandbox workers run under uids of their own and cannot read %s (closed to "
@@ -252,28 +268,32 @@ class SandboxPool:
         return env | self.env
 
     async def _spawn(self, index: int) -> _Worker:
-        assert self.socket_path is not None
         workdir = tempfile.mkdtemp(prefix="rlengine-sandbox-")  # 0700
         uid = None if self._uid_base is None else self._uid_base + index % _UID_SLOTS
         if uid is not None:
             os.chown(workdir, uid, uid)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = None
         try:
-            conn.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(conn, self.socket_path)
-            conn.setblocking(True)
+            fds: tuple[int, ...] = ()
+            if self.socket_path is not None:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(conn, self.socket_path)
+                conn.setblocking(True)
+                fds = (conn.fileno(),)
             # A root trainer's worker gives up root before any of its own code runs
             # (``_confine``, which then execs the worker's command line).
             confine = () if uid is None else self._confinement(uid, workdir)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, *confine, "-m", self.module, f"fd:{conn.fileno()}", *self.args,
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(conn.fileno(),),
+                sys.executable, *confine, "-m", self.module, *(f"fd:{fd}" for fd in fds), *self.args,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=fds,
                 cwd=workdir, env=self._worker_env(workdir))
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         finally:
-            conn.close()  # the worker holds its own copy
+            if conn is not None:
+                conn.close()  # the worker holds its own copy
         if uid is None:
             try:
                 _limit(proc.pid, self.limits)
@@ -331,7 +351,7 @@ class SandboxPool:
 
     async def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """Run one job on a worker; its ``result``, or ``SandboxError``."""
-        if self._closed or self.socket_path is None:
+        if self._closed or not self._started:
             raise SandboxError("the sandbox pool is not running")
         job_id = self._next_job
         self._next_job += 1
@@ -359,7 +379,9 @@ class SandboxPool:
         finally:
             worker.pending.pop(job_id, None)
         if not answer.get("ok"):
-            raise SandboxError(f"sandbox {index}: {answer.get('error', 'failed')}")
+            kind = answer.get("kind")
+            raise SandboxError(f"sandbox {index}: {answer.get('error', 'failed')}",
+                               kind if kind in ("http", "timeout") else "error")
         result = answer.get("result")
         return result if isinstance(result, dict) else {}
 
@@ -395,25 +417,37 @@ async def _wait_exit(proc: asyncio.subprocess.Process, grace_s: float) -> int:
         return await proc.wait()
 
 
-def trace_trajectory(tokens: np.ndarray, logprobs: np.ndarray, versions: np.ndarray, loss_mask: np.ndarray,
-                     reward: float, metrics: dict[str, float] | None = None) -> Trajectory:
-    """A ``Trajectory`` from one traced path: a transition per run of sampled tokens (its
-    observation: every token before it), ``reward`` on the last. The trace keeps no stop
-    reasons: every action says ``length``."""
-    sampled = loss_mask.astype(bool)
+def _runs(mask: np.ndarray, start: int) -> list[tuple[int, int]]:
+    """The runs of sampled tokens (``mask`` 1) at or after ``start``, as (begin, end)."""
+    sampled = mask.astype(bool)
+    sampled[:start] = False
     edges = np.flatnonzero(np.diff(np.concatenate(([False], sampled, [False])).astype(np.int8)))
-    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-    if not runs:
-        raise SandboxError("the session's trace holds no sampled tokens")
-    transitions = []
-    for k, (a, b) in enumerate(runs):
-        last = k == len(runs) - 1
-        action = SampledSequence(stop_reason="length", tokens_raw=tokens[a:b].astype(np.int32).tobytes(),
-                                 logprobs_raw=logprobs[a:b].astype(np.float32).tobytes(),
-                                 versions_raw=versions[a:b].astype(np.int32).tobytes())
-        transitions.append(Transition(observation=Observation(prompt=ModelInput.from_ints(tokens[:a])),
-                                      action=action, reward=reward if last else 0.0, done=last,
-                                      metrics=dict(metrics or {}) if last else {}))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def session_trajectory(trace: Any, reward: float, metrics: dict[str, float] | None = None,
+                       branches: Branches = "all") -> Trajectory:
+    """A ``Trajectory`` from a ``SessionTrace``: a transition per run of sampled tokens (its
+    observation: every token before it on its branch), the branches as the module docstring
+    says, ``reward`` and ``metrics`` on the last transition. The trace keeps no stop reasons:
+    every action says ``length``."""
+    paths = trace.trajectories
+    if not paths:
+        raise SandboxError(f"session {trace.session_id}: the agent made no turn")
+    latest = trace.latest if trace.latest is not None else len(paths) - 1
+    chosen = [(paths[latest], 0)] if branches == "last" else [(p, p.shared_prefix) for p in paths]
+    transitions: list[Transition] = []
+    for path, start in chosen:
+        tokens, logprobs, versions = path.tokens, path.logprobs, path.versions
+        for a, b in _runs(path.loss_mask, start):
+            action = SampledSequence(stop_reason="length", tokens_raw=tokens[a:b].astype(np.int32).tobytes(),
+                                     logprobs_raw=logprobs[a:b].astype(np.float32).tobytes(),
+                                     versions_raw=versions[a:b].astype(np.int32).tobytes())
+            transitions.append(Transition(observation=Observation(prompt=ModelInput.from_ints(tokens[:a])),
+                                          action=action, reward=0.0, done=False))
+    if not transitions:
+        raise SandboxError(f"session {trace.session_id}: the trace holds no sampled tokens")
+    transitions[-1] = msgspec.structs.replace(transitions[-1], reward=reward, done=True, metrics=dict(metrics or {}))
     return Trajectory(transitions=transitions)
 
 
@@ -423,10 +457,15 @@ class SessionEnv(AgentEnv):
     ``sessions`` is the server's ``SessionManager`` (``Server.sessions``); the
     worker gets the job ``{"task": task, ...}`` with the session's credentials
     and must send its reward through the session. ``result`` metrics the
-    worker returns (numbers) go into the logs under ``env/<name>``.
+    worker returns (numbers) go into the logs under ``env/<name>``. A session
+    that branched trains as ``branches`` says (``session_trajectory``).
     """
 
-    def __init__(self, pool: SandboxPool, sessions: Any, task: Any, metadata: dict[str, Any] | None = None) -> None:
+    def __init__(self, pool: SandboxPool, sessions: Any, task: Any, metadata: dict[str, Any] | None = None,
+                 branches: Branches = "all") -> None:
+        if branches not in ("all", "last"):
+            raise ValueError(f"branches={branches!r}: must be 'all' or 'last'")
+        self.branches = branches
         self.pool = pool
         self.sessions = sessions
         self.task = task
@@ -445,16 +484,13 @@ class SessionEnv(AgentEnv):
                              "max_tokens": params.max_tokens}})
         finally:
             trace = self.sessions.collect(sid)
-        if len(trace.trajectories) != 1:
-            raise SandboxError(f"session {sid}: {len(trace.trajectories)} branches (the agent rewrote its "
-                               "context); this environment expects one")
-        path, reward = trace.trajectories[0], trace.rewards[0]
+        reward = None if trace.latest is None else trace.rewards[trace.latest]
         if reward is None:
             raise SandboxError(f"session {sid}: the agent sent no reward for its last turn")
         metrics = {k: float(v) for k, v in result.get("metrics", {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        trajectory = trace_trajectory(path.tokens, path.logprobs, path.versions, path.loss_mask, reward, metrics)
-        return msgspec.structs.replace(trajectory, metadata={"session": sid})
+        trajectory = session_trajectory(trace, reward, metrics, self.branches)
+        return msgspec.structs.replace(trajectory, metadata={"session": sid, "branches": len(trace.trajectories)})
 
 
 def worker_main(play: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
@@ -462,13 +498,33 @@ def worker_main(play: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]
     per job line. It makes itself non-dumpable before it reads any job (and so any token)."""
     if len(sys.argv) < 2:
         raise SystemExit(f"usage: python -m {sys.argv[0]} fd:N|SOCKET")
-    _not_dumpable()
+    not_dumpable()
     asyncio.run(_serve_jobs(sys.argv[1], play))
 
 
 async def _serve_jobs(socket_path: str, play: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
     from rlengine.sandbox_client import AsyncClient
 
+    async with await AsyncClient.connect(socket_path) as client:
+        await serve_job_lines(functools.partial(play, client))
+
+
+_HTTP_ERRORS = ("openai.", "anthropic.", "httpx.", "httpcore.", "aiohttp.", "urllib.", "http.client.", "requests.")
+"""Modules whose exceptions a worker reports as ``http`` failures (beside ``ConnectionError``)."""
+
+
+def failure_kind(exc: BaseException) -> str:
+    """How a worker reports an episode's exception: ``http`` (its connection to the engine or a
+    request failed), ``timeout`` or ``error``."""
+    for cls in type(exc).__mro__:
+        if cls is ConnectionError or f"{cls.__module__}.{cls.__qualname__}".startswith(_HTTP_ERRORS):
+            return "http"
+    return "timeout" if isinstance(exc, TimeoutError) else "error"
+
+
+async def serve_job_lines(play: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+    """A worker's job loop: ``play(job)`` per line of stdin, concurrently, each bounded by its
+    ``deadline_s + scoring_s`` when the job has a deadline; one answer line per job on stdout."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -476,17 +532,20 @@ async def _serve_jobs(socket_path: str, play: Callable[[Any, dict[str, Any]], Aw
     tasks: set[asyncio.Task[None]] = set()
 
     async def one(job: dict[str, Any]) -> None:
+        bound = job.get("deadline_s")
         try:
-            answer = {"id": job["id"], "ok": True, "result": await play(client, job)}
+            async with asyncio.timeout(None if bound is None else float(bound) + float(job.get("scoring_s", 0.0))):
+                result = await play(job)
+            answer: dict[str, Any] = {"id": job["id"], "ok": True, "result": result if isinstance(result, dict) else {}}
         except Exception as exc:  # noqa: BLE001 - reported to the trainer as this episode's failure
-            answer = {"id": job.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            answer = {"id": job.get("id"), "ok": False, "kind": failure_kind(exc),
+                      "error": f"{type(exc).__name__}: {exc}"[:500]}
         out.write(_encode(answer) + b"\n")
         out.flush()
 
-    async with await AsyncClient.connect(socket_path) as client:
-        while line := await reader.readline():
-            task = loop.create_task(one(_decode(line)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+    while line := await reader.readline():
+        task = loop.create_task(one(_decode(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)

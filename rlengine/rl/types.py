@@ -47,7 +47,7 @@ import msgspec
 
 from rlengine.types import ModelInput, SampledSequence, SamplingParams
 
-__all__ = ["AgentEnv", "AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "Observation", "RLDataset", "StepResult",
+__all__ = ["FAILURE_KINDS", "AgentEnv", "AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "Observation", "RLDataset", "StepResult",
            "Trajectory", "TrajectoryGroup", "Transition"]
 
 Metrics = dict[str, float]
@@ -96,6 +96,14 @@ class AttemptFailure(msgspec.Struct, kw_only=True, frozen=True):
     """The exception type."""
     message: str
     turn: int
+    kind: str = "other"
+    """What failed, for the counts: ``crash`` (the sandbox died), ``timeout`` (a deadline
+    passed), ``http`` (the agent's connection to the engine failed, or the engine refused
+    its request) or ``other`` (the environment's own error). Every failed attempt, of any
+    kind, is left out of its group's advantage statistics."""
+
+
+FAILURE_KINDS = ("crash", "timeout", "http", "other")
 
 
 class Trajectory(msgspec.Struct, kw_only=True, frozen=True):

@@ -26,8 +26,8 @@ Endpoints:
 * ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional; the
   answer holds the id, the token and the session's own ``base_url``,
   ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
-  chat/completions``, ``messages``, ``responses`` and ``GET models`` there
-  are that session's),
+  chat/completions``, ``messages``, ``responses``, ``reward`` and ``GET
+  models`` there are that session's),
   ``GET /v1/admin/leases`` (turns with an unknown outcome, per replica) and
   ``POST /v1/admin/leases/{replica}/{lease_id}/write_off`` for operators;
   ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
@@ -231,6 +231,7 @@ class HttpServer:
             web.post("/sessions/{session_id}/v1/responses", self.responses),
             web.get("/sessions/{session_id}/v1/models", self.models),
             web.get("/sessions/{session_id}/v1/models/{model_id}", self.model),
+            web.post("/sessions/{session_id}/v1/reward", self.reward),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/messages", self.messages),
             web.post("/v1/responses", self.responses),
@@ -323,6 +324,9 @@ class HttpServer:
 
     def _path_session(self, request: web.Request) -> Session:
         token = request.headers.get("X-Session-Token")
+        if token is None and request.path.startswith("/sessions/"):  # the session's own base URL
+            auth = request.headers.get("Authorization", "")
+            token = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
         if token is None:
             raise SessionForbidden("the X-Session-Token header is missing")
         return self.sessions.authorize(request.match_info["session_id"], token)

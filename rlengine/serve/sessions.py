@@ -172,6 +172,9 @@ class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     tainted: bool = False
     """A turn's client went away after output may have reached it, and the turn was not
     recorded: the client may have seen (and may continue from) tokens the trace lacks."""
+    latest: int | None = None
+    """The index of the trajectory that ends at the session's latest turn (None: no turn, or
+    the latest turn was continued by an earlier branch)."""
     constrained: frozenset[str] = frozenset()
     """Request ids (the segments' ``request_id``) of turns sampled under a constraint
     (forced tool calls, a JSON response): their logprobs are of the masked
@@ -739,7 +742,8 @@ class SessionManager:
 
     def _export(self, session: Session) -> SessionTrace:
         trajectories = self.store.export(session.session_id)
-        return SessionTrace(session_id=session.session_id, trajectories=trajectories,
+        latest = next((i for i, t in enumerate(trajectories) if t.leaf == session.leaf), None)
+        return SessionTrace(session_id=session.session_id, trajectories=trajectories, latest=latest,
                             rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
                             constrained=frozenset(session.constrained), tainted=session.tainted)
 

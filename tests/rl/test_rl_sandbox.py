@@ -25,9 +25,22 @@ from rlengine.rl.errors import FailureBudgetExceeded
 from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.recipes.guess_sandbox import ALPHABET, HIGHER, LOWER, START, digit
 from rlengine.rl.run import train
-from rlengine.rl.sandbox import SandboxError, SandboxPool, SessionEnv, trace_trajectory
+from rlengine.rl.sandbox import SandboxError, SandboxPool, SessionEnv, session_trajectory
 from rlengine.serve.server import ServeConfig, Server
+from rlengine.serve.sessions import SessionTrace
+from rlengine.trace.trajectory import Trajectory as TracedPath
 from rlengine.types import SamplingParams
+
+
+def traced(tokens, logprobs, versions, mask, shared_prefix=0):
+    """One traced path, as the session store exports it."""
+    return TracedPath(session="s", leaf=0, shared_prefix=shared_prefix, tokens_raw=tokens.astype(np.int32).tobytes(),
+                      logprobs_raw=logprobs.astype(np.float32).tobytes(),
+                      versions_raw=versions.astype(np.int32).tobytes(), loss_mask_raw=mask.astype(np.uint8).tobytes())
+
+
+def one_path(*arrays):
+    return SessionTrace(session_id="s", trajectories=[traced(*arrays)], rewards=[None], turns=1, latest=0)
 
 
 def test_trace_becomes_one_transition_per_sampled_run():
@@ -35,7 +48,7 @@ def test_trace_becomes_one_transition_per_sampled_run():
     mask = np.array([0, 1, 0, 1, 0, 1], dtype=np.uint8)
     logprobs = np.array([0, -0.5, 0, -0.25, 0, -0.125], dtype=np.float32)
     versions = np.array([-1, 3, -1, 3, -1, 4], dtype=np.int32)
-    t = trace_trajectory(tokens, logprobs, versions, mask, 1.0, {"found": 1.0})
+    t = session_trajectory(one_path(tokens, logprobs, versions, mask), 1.0, {"found": 1.0})
     assert [tr.observation.prompt.to_ints() for tr in t.transitions] == [[13], [13, 5, 12], [13, 5, 12, 8, 11]]
     assert [tr.action.tokens for tr in t.transitions] == [[5], [8], [7]]
     assert [tr.action.logprobs for tr in t.transitions] == [[-0.5], [-0.25], [-0.125]]
@@ -52,7 +65,25 @@ def test_trace_becomes_one_transition_per_sampled_run():
     np.testing.assert_allclose(datum.loss_fn_inputs["advantages"].to_numpy(), 0.5 * mask[1:])
     np.testing.assert_allclose(datum.loss_fn_inputs["logprobs"].to_numpy(), logprobs[1:])
     with pytest.raises(SandboxError, match="no sampled tokens"):
-        trace_trajectory(tokens[:1], logprobs[:1], versions[:1], mask[:1], 0.0)
+        session_trajectory(one_path(tokens[:1], logprobs[:1], versions[:1], mask[:1]), 0.0)
+
+
+def test_branches_train_each_sampled_token_once_or_only_the_latest_branch():
+    # Branch 0: prompt 1, sampled 2 3, env 4, sampled 5. Branch 1 shares "1 2" and samples 6 7 after env 9.
+    b0 = [np.array(x) for x in ([1, 2, 3, 4, 5], [0, -1, -1, 0, -1], [-1, 0, 0, -1, 1], [0, 1, 1, 0, 1])]
+    b1 = [np.array(x) for x in ([1, 2, 9, 6, 7], [0, -1, 0, -2, -2], [-1, 0, -1, 2, 2], [0, 1, 0, 1, 1])]
+    trace = SessionTrace(session_id="s", trajectories=[traced(*b0), traced(*b1, shared_prefix=2)],
+                         rewards=[None, 1.0], turns=3, latest=1)
+    every = session_trajectory(trace, 1.0, branches="all")
+    assert [tr.action.tokens for tr in every.transitions] == [[2, 3], [5], [6, 7]]
+    assert [tr.observation.prompt.to_ints() for tr in every.transitions] == [[1], [1, 2, 3, 4], [1, 2, 9]]
+    assert [tr.reward for tr in every.transitions] == [0.0, 0.0, 1.0] and every.versions() == (0, 2)
+    datums = trajectory_datums(every, 0.5, with_mask=False)
+    # Two sequences; the shared token 2 is trained once (in branch 0), branch 1 trains only 6 7.
+    assert [d.mask.tolist() for d in datums] == [[1, 1, 0, 1], [0, 0, 1, 1]]
+    last = session_trajectory(trace, 1.0, branches="last")
+    assert [tr.action.tokens for tr in last.transitions] == [[2], [6, 7]]
+    assert [d.mask.tolist() for d in trajectory_datums(last, 0.5, with_mask=False)] == [[1, 0, 1, 1]]
 
 
 WORKER = textwrap.dedent("""
