@@ -35,7 +35,8 @@ Agents come in two shapes:
 * **A Python agent in a long-lived worker**: ``python -m your.module``,
   whose main is ``agent_main(play)``; every job line is one episode, run
   concurrently: ``await play(job)`` with ``job["base_url"]``,
-  ``job["api_key"]``, ``job["anthropic_base_url"]``, ``job["task"]``,
+  ``job["api_key"]``, ``job["model"]``, ``job["anthropic_base_url"]``,
+  ``job["reward_url"]`` (where to post a reward), ``job["task"]``,
   ``job["sampling"]``, ``job["seed"]``, ``job["max_turns"]`` and
   ``job["deadline_s"]``; it returns ``{"reward": ..., "metrics": {...}}``
   (both optional). One interpreter serves many episodes: what a fast RL
@@ -149,7 +150,7 @@ class HttpAgentEnv(AgentEnv):
             result = await self.pool.run({
                 "session": sid, "base_url": f"{root}/sessions/{sid}/v1", "anthropic_base_url": f"{root}/sessions/{sid}",
                 "reward_url": f"{root}/sessions/{sid}/v1/reward",
-                "api_key": session.token, "task": self.task, "seed": seed, "max_turns": max_turns,
+                "api_key": session.token, "model": self.server.model_name, "task": self.task, "seed": seed, "max_turns": max_turns,
                 "deadline_s": self.deadline_s, "scoring_s": self.scoring_s,
                 "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                              "max_tokens": params.max_tokens}})

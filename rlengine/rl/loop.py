@@ -84,6 +84,18 @@ __all__ = ["TrainingRun"]
 _EVAL_SEED = 0x4556414C  # keeps evaluation seeds apart from training seeds
 
 
+def _serving(task: asyncio.Task[Any]) -> bool:
+    """A task of the engine or a server beside it, which outlive the loop: named ``rlengine-...``,
+    or an HTTP connection's handler (aiohttp's, unnamed; it lives as long as its client keeps
+    the connection open, as an agent's connection pool does)."""
+    if task.get_name().startswith("rlengine-"):
+        return True
+    coro = task.get_coro()
+    frame = getattr(coro, "cr_frame", None)
+    return (getattr(coro, "__qualname__", "") == "RequestHandler.start" and frame is not None
+            and frame.f_globals.get("__name__") == "aiohttp.web_protocol")
+
+
 class _Sentinel:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -261,9 +273,9 @@ class TrainingRun:
                 queue.get_nowait()
                 self.drained += 1
         current = asyncio.current_task()
-        # Every task but this one and the engine's own ("rlengine-..."): stages,
-        # rollouts and the waits they started must all be finished by now.
-        orphans = [t for t in asyncio.all_tasks() if t is not current and not t.get_name().startswith("rlengine-")]
+        # Every task but this one and the servers' own: stages, rollouts and the
+        # waits they started must all be finished by now.
+        orphans = [t for t in asyncio.all_tasks() if t is not current and not _serving(t)]
         if orphans and self.error is None:
             self._fail("supervisor", RuntimeError(f"tasks left behind: {[(t.get_name(), t.get_coro()) for t in orphans]}"))
 

@@ -330,6 +330,7 @@ CHAR_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 64,
     "init_std": 0.02,
     "seed": 0,
+    "chat_template": None,
 }
 _CHAR_PAD = "<|endoftext|>"
 
@@ -342,7 +343,9 @@ def build_char_model(path: str, alphabet: str, end: str, **params: Any) -> str:
     ``alphabet``) is the model's end-of-sequence token, so the engine stops a
     generation there. ``init_std`` 0.02 keeps the first distributions near
     uniform, which is what exploration from random init needs. Parameters
-    (``CHAR_DEFAULTS``) as in ``build_tiny``; the same arguments give the same files.
+    (``CHAR_DEFAULTS``) as in ``build_tiny``, and ``chat_template`` (a Jinja
+    chat template over the alphabet's characters; None: none); the same
+    arguments give the same files.
     """
     unknown = sorted(set(params) - set(CHAR_DEFAULTS))
     if unknown:
@@ -352,6 +355,9 @@ def build_char_model(path: str, alphabet: str, end: str, **params: Any) -> str:
         raise ConfigurationError(f"alphabet={alphabet!r}: must be a non-empty string of distinct characters")
     if len(end) != 1 or end not in alphabet:
         raise ConfigurationError(f"end={end!r}: must be one character of alphabet={alphabet!r}")
+    template = args.pop("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ConfigurationError(f"chat_template={template!r}: must be a string or None")
     _check_build_args({**TINY_DEFAULTS, **args, "num_kv_heads": args["num_heads"], "vocab_size": 300})
 
     import torch
@@ -364,6 +370,8 @@ def build_char_model(path: str, alphabet: str, end: str, **params: Any) -> str:
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=end, pad_token=_CHAR_PAD,
                                         model_max_length=args["max_position_embeddings"])
+    if template is not None:
+        tokenizer.chat_template = template
     eos, pad = vocab[end], vocab[_CHAR_PAD]
     config = Qwen2Config(
         vocab_size=len(vocab), hidden_size=args["hidden_size"], intermediate_size=args["intermediate_size"],
@@ -380,7 +388,8 @@ def build_char_model(path: str, alphabet: str, end: str, **params: Any) -> str:
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "rlengine_build.json"), "w", encoding="utf-8") as f:
         json.dump({"builder": "rlengine.backends.torch.models.build_char_model", "format": _BUILD_FORMAT,
-                   "params": {**args, "alphabet": alphabet, "end": end}}, f, indent=2, sort_keys=True)
+                   "params": {**args, "alphabet": alphabet, "end": end, "chat_template": template}}, f, indent=2,
+                  sort_keys=True)
     return path
 
 

@@ -14,6 +14,9 @@ Built in:
 * ``guess`` - a multi-turn guessing game; each game runs in a sandbox
   process that samples through the engine's IPC server (``guess``,
   ``guess_sandbox``).
+* ``tools`` - an agent with the official ``openai`` client and
+  ``tools=[...]`` over HTTP, in sandbox processes; the answer is what the
+  tool returns; learns on CPU in minutes (``tools``, ``tools_agent``).
 
 A recipe whose environments need something running beside the engine (a
 server, sandbox processes) provides it in ``attach``, entered once the
@@ -42,6 +45,7 @@ __all__ = ["BUILTIN", "Recipe", "SeededBatches", "load_recipe"]
 BUILTIN: dict[str, str] = {
     "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
     "guess": "rlengine.rl.recipes.guess:RECIPE",
+    "tools": "rlengine.rl.recipes.tools:RECIPE",
 }
 
 

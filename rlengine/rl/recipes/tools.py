@@ -1,0 +1,245 @@
+"""Recipe ``tools``: an OpenAI-client agent that must call a tool to answer, learned by RL alone on CPU.
+
+Each episode is an agent in a sandbox worker (``tools_agent``) that talks to
+the engine's HTTP server with the official ``openai`` client and
+``tools=[read_meter]``: the user asks ``?`` (what does the meter read?), the
+reading is a random digit only the tool returns, and the reward checks the
+answer (0.8 when it is the reading, 0.2 for having called the tool and answered). The
+trainer trains on each session's exact trace (``rlengine.rl.agents``).
+
+The model, its vocabulary, chat template and tool-call syntax are chosen so
+that RL from random init can learn it on two CPU cores in minutes:
+
+* a character-level Qwen2 (``build_char_model``) over ``ALPHABET``: the
+  digits, ``?``, ``@`` (a tool call), ``=`` (a tool result), ``U`` / ``A``
+  (user / assistant) and ``$`` (end of a message, the model's end token);
+* its chat template writes a conversation as ``U?$A@$=7$A7$``: user ``?``,
+  the assistant calls the tool (``@``), the tool answers ``7``, the assistant
+  answers ``7``. Tools are not written out (there is one, always offered);
+* the tool-call syntax (``MeterCalls``, registered as tool parser ``meter``)
+  reads an assistant turn that is exactly ``@`` as a call of ``read_meter``
+  with no arguments; any other text holding ``@`` is a malformed call
+  (returned as text, counted), anything else the answer.
+
+A turn is one sampled token (``max_tokens=1``), at most two turns (call,
+answer). A random policy calls the tool in one turn of sixteen and guesses
+the digit in one of ten: its mean reward is about 0.07. Calling is learned
+first (it pays 0.2 at once), then copying the tool's digit into the answer.
+As for ``copy``: GRPO groups of 8, PPO with 4 optimizer steps per batch,
+Adam at 2e-3, and an entropy bonus of 0.05 kept on for groups whose rewards
+are all equal (``skip_constant_reward=False``; without it the answer
+collapsed onto one digit, whatever the tool said, and most groups had
+constant rewards). Two sandbox workers play the episodes concurrently.
+
+``crash_every`` > 0 is fault injection: every n-th episode's agent exits
+mid-game; its attempt fails (``crash``), is left out of its group's
+advantages, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+from rlengine.backends.torch.models import prepare_char_model
+from rlengine.core.config import EngineConfig
+from rlengine.core.engine import Engine
+from rlengine.errors import ConfigurationError
+from rlengine.rl.agents import HttpAgentEnv
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.recipes import Recipe, SeededBatches
+from rlengine.rl.recipes.tools_agent import TOOL
+from rlengine.rl.sandbox import SandboxPool
+from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
+from rlengine.tool_parsers import ParsedTurn, ToolCall, new_call_id, register
+
+__all__ = ["ALPHABET", "CHAT_TEMPLATE", "RECIPE", "MeterCalls", "ToolsOptions", "ToolsRecipe"]
+
+AGENT_MODULE = "rlengine.rl.recipes.tools_agent"
+ALPHABET = "0123456789?@=UA$"
+END = "$"
+CALL = "@"
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}U{{ m['content'] }}$"
+    "{%- elif m['role'] == 'assistant' -%}A{{ m['content'] or '' }}"
+    "{%- for c in m.get('tool_calls') or [] -%}@{%- endfor -%}$"
+    "{%- elif m['role'] == 'tool' -%}={{ m['content'] }}$"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}A{%- endif -%}"
+)
+"""User ``U..$``, assistant ``A..$`` (each tool call an ``@``), tool result ``=..$``; system messages
+and tool definitions are not written."""
+
+
+class MeterCalls:
+    """The tool-call syntax of the ``tools`` recipe's model: a turn that is exactly ``@`` calls
+    ``read_meter`` (no arguments). Text holding ``@`` otherwise is a malformed call."""
+
+    name = "meter"
+    start_marker = CALL
+
+    def __init__(self) -> None:
+        self.malformed = 0
+
+    def parse(self, text: str) -> ParsedTurn:
+        if CALL not in text:
+            return ParsedTurn(text, [], False)
+        if text.strip(CALL) == "":
+            return ParsedTurn(None, [ToolCall(new_call_id(), TOOL, "{}") for _ in text], False)
+        self.malformed += 1
+        return ParsedTurn(text, [], True)
+
+    def split_closing(self, rendered: str) -> tuple[str, str]:
+        end = rendered.rfind(CALL) + 1
+        return (rendered[:end], rendered[end:]) if end else (rendered, "")
+
+    def call_tag(self, name: str) -> tuple[str, str, str]:
+        raise ValueError("the meter syntax has no arguments to constrain: forced tool calls are not supported")
+
+
+register(MeterCalls.name, MeterCalls)
+
+
+class ToolsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    sandboxes: int = 2
+    """Sandbox worker processes (each plays many episodes at once)."""
+    job_timeout_s: float = 60.0
+    """The sandbox's bound on one episode (exceeds the rollout deadline)."""
+    deadline_s: float | None = None
+    """The rollout deadline of one episode; None: 0.9 of ``job_timeout_s``."""
+    crash_every: int = 0
+    """Fault injection: every n-th episode's agent exits mid-game (0: never)."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("sandboxes", 1), ("crash_every", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigurationError(f"{name}={v!r}: must be an integer >= {low}")
+        for name in ("job_timeout_s", "deadline_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ConfigurationError(f"{name}={v!r}: must be > 0")
+
+
+class _World:
+    """What the environments reach at run time: the server and the sandbox pool."""
+
+    def __init__(self, options: ToolsOptions) -> None:
+        self.options = options
+        self.pool: SandboxPool | None = None
+        self.server: Any = None
+        self._episodes = 0
+
+    def env(self, reading: int, group: int) -> AgentEnv:
+        if self.pool is None:
+            raise RuntimeError("the tools recipe's sandboxes are not running (Recipe.attach was not entered)")
+        self._episodes += 1
+        task: dict[str, Any] = {"reading": reading}
+        every = self.options.crash_every
+        if every and self._episodes % every == 0:
+            task["crash"] = True
+        return HttpAgentEnv(self.pool, self.server, task, metadata={"reading": reading, "group": group},
+                            deadline_s=self.options.deadline_s)
+
+
+class MeterGroup(EnvGroupBuilder):
+    def __init__(self, world: _World, reading: int, index: int, size: int) -> None:
+        self.world = world
+        self.reading = reading
+        self.index = index
+        self.size = size
+
+    async def make_envs(self) -> Sequence[AgentEnv]:
+        return [self.world.env(self.reading, self.index) for _ in range(self.size)]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"reading": self.reading}
+
+
+class MeterDataset(SeededBatches):
+    """``batches`` batches of ``groups`` readings."""
+
+    def __init__(self, world: _World, batches: int, groups: int, group_size: int, seed: int) -> None:
+        super().__init__(batches, seed)
+        self.world = world
+        self.groups = groups
+        self.group_size = group_size
+
+    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
+        return [MeterGroup(self.world, int(r), index, self.group_size) for r in rng.integers(0, 10, self.groups)]
+
+
+class EveryReading(RLDataset):
+    """Evaluation: each of the ten readings once."""
+
+    def __init__(self, world: _World) -> None:
+        self.world = world
+
+    def __len__(self) -> int:
+        return 1
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if index != 0:
+            raise IndexError(f"batch {index} of 1")
+        return [MeterGroup(self.world, r, -1, 1) for r in range(10)]
+
+
+class ToolsRecipe(Recipe):
+    name = "tools"
+    description = "an openai-client agent with tools=[read_meter] over HTTP, in sandboxes; the answer is the tool's"
+    defaults: ClassVar[dict[str, Any]] = {
+        "steps": 120, "groups_per_batch": 16, "group_size": 8, "max_tokens": 1, "max_turns": 2,
+        "temperature": 1.0, "loss_fn": "ppo", "entropy_coef": 0.05, "learning_rate": 2e-3, "num_substeps": 4,
+        "grad_clip_norm": 1.0, "skip_constant_reward": False, "eval_every": 25, "eval_temperature": 0.0,
+        "min_surviving_attempts": 2, "backend": "torch", "target_reward": 0.8,
+    }
+    Options = ToolsOptions
+
+    def engine_config(self, config: TrainConfig, options: ToolsOptions) -> EngineConfig:
+        if config.backend == "sim":
+            raise ConfigurationError("backend='sim': the tools recipe needs a model backend (torch or vllm)")
+        if config.max_tokens != 1:
+            raise ConfigurationError(f"max_tokens={config.max_tokens}: a turn is one token (max_tokens=1)")
+        if importlib.util.find_spec("openai") is None:
+            raise ConfigurationError("the tools recipe's agent uses the openai client: pip install 'rlengine[agents]'")
+        if not config.episode_timeout_s > options.job_timeout_s:
+            raise ConfigurationError(f"episode_timeout_s={config.episode_timeout_s}: must exceed the sandbox's bound "
+                                     f"job_timeout_s={options.job_timeout_s}")
+        path = prepare_char_model(ALPHABET, END, cache_dir=config.cache_dir, seed=config.seed,
+                                  chat_template=CHAT_TEMPLATE, max_position_embeddings=max(64, 6 * config.max_turns + 8))
+        return EngineConfig(model=path, backend=config.backend, cache_dir=config.cache_dir)
+
+    def datasets(self, config: TrainConfig, options: ToolsOptions) -> tuple[RLDataset, RLDataset | None]:
+        world = _World(options)
+        batches = config.steps if config.steps is not None else 120
+        return (MeterDataset(world, batches, config.groups_per_batch, config.group_size, config.seed),
+                EveryReading(world))
+
+    @contextlib.asynccontextmanager
+    async def attach(self, engine: Engine, dataset: RLDataset, eval_dataset: RLDataset | None) -> AsyncIterator[None]:
+        """The HTTP server on the engine (loopback, a drawn key) and the agents' sandbox pool."""
+        from rlengine.serve import ServeConfig, Server
+
+        assert isinstance(dataset, MeterDataset)
+        world = dataset.world
+        options = world.options
+        async with Server(engine, ServeConfig(ipc=False, tool_parser=MeterCalls.name, max_in_flight=4096)) as server:
+            pool = SandboxPool(AGENT_MODULE, options.sandboxes, job_timeout_s=options.job_timeout_s)
+            try:
+                await pool.start(None)
+                world.pool, world.server = pool, server
+                yield
+            finally:
+                world.pool = None
+                await pool.aclose()
+
+
+RECIPE = ToolsRecipe()

@@ -1,0 +1,77 @@
+"""The ``tools`` recipe's agent: the official ``openai`` client, ``tools=[...]``, in a sandbox worker.
+
+``python -m rlengine.rl.recipes.tools_agent`` (started by the recipe's
+``SandboxPool``; ``rlengine.rl.agents.agent_main``). For every job it plays
+one episode against the session's own base URL with the session's key, the
+way any OpenAI-speaking agent would:
+
+1. ``chat.completions.create(messages=[user "?"], tools=[read_meter])``;
+2. for every tool call in the reply it runs the tool (the meter's reading is
+   the job's ``task["reading"]``, which only the tool reveals) and sends the
+   result back as a ``tool`` message, then asks again;
+3. a reply without tool calls is the answer; at most ``max_turns`` requests.
+
+Its reward: 0.8 for an answer equal to the reading, plus 0.2 when it called
+the tool and then answered (calling again and again earns nothing). A malformed call comes back from the server as plain text
+(the parser counts it) and is scored as the answer it is, never an error.
+
+One ``httpx`` client is shared by all the worker's episodes (one connection
+pool to the server; an ``openai`` client per episode, with that episode's
+base URL and key). It imports no torch and no engine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+TOOL = "read_meter"
+TOOLS = [{"type": "function", "function": {
+    "name": TOOL, "description": "The meter's reading now: one digit.",
+    "parameters": {"type": "object", "properties": {}}}}]
+
+_http: Any = None
+
+
+def reward(called: bool, answer: str | None, reading: str) -> float:
+    """0.8 for the right answer, 0.2 more for having called the tool and then answered (an agent
+    that only ever calls earns nothing)."""
+    return 0.8 * (answer == reading) + 0.2 * (called and answer is not None)
+
+
+async def play(job: dict[str, Any]) -> dict[str, Any]:
+    global _http
+    import httpx
+    import openai
+
+    if _http is None:
+        _http = httpx.AsyncClient(timeout=float(job["deadline_s"]), limits=httpx.Limits(max_connections=64))
+    reading = str(job["task"]["reading"])
+    sampling = job["sampling"]
+    client = openai.AsyncOpenAI(base_url=job["base_url"], api_key=job["api_key"], max_retries=0, http_client=_http)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "?"}]
+    calls = 0
+    answer: str | None = None
+    for turn in range(int(job["max_turns"])):
+        reply = await client.chat.completions.create(
+            model=job["model"], messages=messages, tools=TOOLS, max_tokens=sampling["max_tokens"],  # type: ignore[arg-type]
+            temperature=sampling["temperature"], top_p=sampling["top_p"],
+            seed=(int(job["seed"]) * 1_000_003 + turn) % (1 << 63))
+        message = reply.choices[0].message
+        if job["task"].get("crash"):
+            os._exit(3)  # fault injection (the recipe's crash_every): the sandbox dies mid-episode
+        if not message.tool_calls:
+            answer = message.content
+            break
+        calls += len(message.tool_calls)
+        messages.append({"role": "assistant", "content": message.content,
+                         "tool_calls": [c.model_dump() for c in message.tool_calls]})
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": reading} for c in message.tool_calls]
+    return {"reward": reward(calls > 0, answer, reading),
+            "metrics": {"called": float(calls > 0), "correct": float(answer == reading), "tool_calls": float(calls)}}
+
+
+if __name__ == "__main__":
+    from rlengine.rl.agents import agent_main
+
+    agent_main(play)
