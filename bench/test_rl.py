@@ -158,3 +158,87 @@ def test_guess_recipe_through_sandboxes(benchmark, tmp_path, cache):
     print(result)
     assert result["attempts_failed"] == 0
     assert result["kl_sample_train_max"] < 1e-4
+
+
+def test_tools_recipe_steps_and_time_to_target(benchmark, tmp_path, cache):
+    results = {}
+
+    def run_all() -> None:
+        for seed in SEEDS:
+            outcome = train("tools", {"cache_dir": cache, "checkpoint_every": "0", "eval_every": "0",
+                                      "seed": str(seed)}, run_dir=str(tmp_path / f"tools{seed}"))
+            assert outcome.error is None, outcome.error
+            steps = read_jsonl(outcome.metrics_path)
+            hit = next((s for s in steps if s["reward_mean"] >= 0.8), None)
+            results[seed] = {"first_reward": round(steps[0]["reward_mean"], 3),
+                             "step_to_0.8": hit["step"] if hit else None,
+                             "seconds_to_0.8": round(hit["time_s"], 1) if hit else None,
+                             "called_step10": round(steps[9]["env/called"], 2),
+                             "final_reward_last5": round(statistics.mean(s["reward_mean"] for s in steps[-5:]), 3),
+                             "seconds_per_step_median": round(statistics.median(s["step_time_s"] for s in steps), 3),
+                             "run_dir": outcome.run_dir}
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    benchmark.extra_info["per_seed"] = results
+    print()
+    for seed, r in results.items():
+        print(f"seed {seed}: {r}")
+    assert all(r["first_reward"] < 0.2 for r in results.values())
+
+
+EPISODES = 256
+
+
+def test_http_vs_ipc_agent_episode_overhead(record, cache):
+    """The tools game, untrained model, 256 episodes 64 at a time on two sandbox workers: the openai
+    client over HTTP (``HttpAgentEnv``), the same requests with a bare aiohttp client, and token
+    turns over IPC (``SessionEnv``); the same tokens every way. Rounds alternate (3 each)."""
+    import asyncio
+    import time
+
+    from rlengine.core.engine import Engine
+    from rlengine.rl.agents import HttpAgentEnv
+    from rlengine.rl.config import TrainConfig
+    from rlengine.rl.recipes.tools import AGENT_MODULE, RECIPE, MeterCalls, ToolsOptions
+    from rlengine.rl.sandbox import SandboxPool, SessionEnv
+    from rlengine.serve import ServeConfig, Server
+    from rlengine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+
+    async def episodes(make) -> float:
+        gate = asyncio.Semaphore(64)
+
+        async def one(i: int):
+            async with gate:
+                t = await make(i).run(params, i, 2)
+                assert t.transitions
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(EPISODES)))
+        return (time.perf_counter() - t0) / EPISODES
+
+    async def main() -> dict:
+        config = TrainConfig(cache_dir=cache, max_tokens=1, max_turns=2, backend="torch")
+        times: dict[str, list[float]] = {"http": [], "aiohttp": [], "ipc": []}
+        async with Engine(RECIPE.engine_config(config, ToolsOptions())) as engine, \
+                Server(engine, ServeConfig(tool_parser=MeterCalls.name, max_in_flight=4096)) as server, \
+                SandboxPool(AGENT_MODULE, 2, job_timeout_s=60) as http_pool, \
+                SandboxPool(AGENT_MODULE, 2, job_timeout_s=60) as ipc_pool:
+            await http_pool.start(None)
+            await ipc_pool.start(server.ipc_path)
+            make = {"http": lambda i: HttpAgentEnv(http_pool, server, {"reading": i % 10}),
+                    "aiohttp": lambda i: HttpAgentEnv(http_pool, server, {"reading": i % 10, "client": "aiohttp"}),
+                    "ipc": lambda i: SessionEnv(ipc_pool, server.sessions, {"reading": i % 10})}
+            for kind in times:  # warm-up: imports, first connections
+                await episodes(make[kind])
+            for _ in range(ROUNDS):
+                for kind in times:
+                    times[kind].append(await episodes(make[kind]))
+        http, bare, ipc = (statistics.median(times[k]) for k in ("http", "aiohttp", "ipc"))
+        return {"http_ms_per_episode": 1000 * http, "aiohttp_ms_per_episode": 1000 * bare,
+                "ipc_ms_per_episode": 1000 * ipc, "ratio_http_over_ipc": http / ipc,
+                "ratio_aiohttp_over_ipc": bare / ipc,
+                "rounds_ms": {k: [round(1000 * x, 2) for x in v] for k, v in times.items()}}
+
+    record(lambda: asyncio.run(main()))

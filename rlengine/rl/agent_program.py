@@ -38,12 +38,13 @@ import sys
 import tempfile
 from typing import Any
 
+from rlengine.errors import RLEngineError
 from rlengine.rl.sandbox import not_dumpable, serve_job_lines
 
 _KEEP = 1 << 20
 
 
-class ProgramFailed(RuntimeError):
+class ProgramFailed(RLEngineError, RuntimeError):
     """The program exited with an error."""
 
 

@@ -145,6 +145,9 @@ class GuessGame(Recipe):
             raise ConfigurationError("backend='sim': the guess recipe needs a model backend (torch or vllm)")
         if config.max_tokens != 1:
             raise ConfigurationError(f"max_tokens={config.max_tokens}: a guess is one token (max_tokens=1)")
+        if not config.episode_timeout_s > options.job_timeout_s:
+            raise ConfigurationError(f"episode_timeout_s={config.episode_timeout_s}: must exceed the sandbox's bound "
+                                     f"job_timeout_s={options.job_timeout_s}")
         path = prepare_char_model(ALPHABET, "$", cache_dir=config.cache_dir, seed=config.seed,
                                   max_position_embeddings=max(64, 2 * config.max_turns + 4))
         return EngineConfig(model=path, backend=config.backend, cache_dir=config.cache_dir)

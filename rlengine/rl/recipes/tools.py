@@ -53,7 +53,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import HttpAgentEnv
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.recipes import Recipe, SeededBatches
-from rlengine.rl.recipes.tools_agent import TOOL
+from rlengine.rl.recipes.tools_agent import ALPHABET, TOOL
 from rlengine.rl.sandbox import SandboxPool
 from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
 from rlengine.tool_parsers import ParsedTurn, ToolCall, new_call_id, register
@@ -61,7 +61,6 @@ from rlengine.tool_parsers import ParsedTurn, ToolCall, new_call_id, register
 __all__ = ["ALPHABET", "CHAT_TEMPLATE", "RECIPE", "MeterCalls", "ToolsOptions", "ToolsRecipe"]
 
 AGENT_MODULE = "rlengine.rl.recipes.tools_agent"
-ALPHABET = "0123456789?@=UA$"
 END = "$"
 CALL = "@"
 
