@@ -4,7 +4,8 @@ References: the chat template's text written out by hand, the parser's
 reading of every kind of turn, and the run's own metrics (what the agents
 reported and the loop counted). The learning test is the real recipe from
 random init; CI runs its first steps, which show calling being learned and
-the reward rising, and the whole run (to a mean reward of 0.8) is ``slow``.
+the reward rising; the whole run (to a mean reward of 0.8 within 10 minutes)
+is marked ``long`` (``pytest -m long tests/rl/test_rl_tools.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def _run(tmp_path, model_cache, **settings):
     return read_jsonl(outcome.metrics_path)
 
 
+@pytest.mark.slow
 def test_the_agent_learns_to_call_the_tool_and_the_reward_rises(tmp_path, model_cache):
     steps = _run(tmp_path, model_cache, steps=20)
     called = [s["env/called"] for s in steps]
@@ -72,7 +74,7 @@ def test_crashed_agents_are_masked_counted_and_the_run_goes_on(tmp_path, model_c
     assert all(len(g["rewards"]) == 8 - len(g.get("failures", [])) for g in groups)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_tools_recipe_reaches_a_mean_reward_of_08(tmp_path, model_cache):
     steps = _run(tmp_path, model_cache)
     reached = next((s for s in steps if s["reward_mean"] >= 0.8), None)
