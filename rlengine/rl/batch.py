@@ -40,6 +40,7 @@ from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
 from rlengine.rl.metrics import reward_stats
+from rlengine.rl.mismatch import mismatch_metrics, token_staleness
 from rlengine.rl.types import FAILURE_KINDS, EnvGroupBuilder, TrajectoryGroup
 from rlengine.types import AdamParams, Datum, TensorData
 
@@ -255,13 +256,15 @@ class StepBatch:
         return optims
 
     def train_metrics(self, outputs: list[tuple[Any, list[int]]], optim_outs: list[Any]) -> dict[str, float]:
-        """Loss, entropy, grad norm, and the sampler-vs-trainer logprob KL over sampled tokens.
+        """Loss, entropy, grad norm, and the sampler-vs-trainer mismatch over sampled tokens
+        (``rlengine.rl.mismatch``: KL k1 / k2 / k3, log-perplexity difference, importance ratios,
+        per-token staleness).
 
-        The KL is taken over the forward passes that ran before this step's
-        first optimizer update (all of them without substeps): there, any
-        difference between the two logprobs is sampler/trainer mismatch, not
-        learning."""
-        diffs = []
+        The mismatch is taken over the forward passes that ran before this
+        step's first optimizer update (all of them without substeps): there,
+        any difference between the two logprobs is sampler/trainer mismatch,
+        not learning."""
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
         loss = entropy = 0.0
         tokens = 0
         for n, (out, idx) in enumerate(outputs):
@@ -271,15 +274,10 @@ class StepBatch:
                 mask = self.masks[i] > 0
                 tokens += int(mask.sum())
                 if n < self.on_policy:
-                    trainer_lp = record["logprobs"].to_numpy()[mask]
-                    sampler_lp = self.datums[i].loss_fn_inputs["logprobs"].to_numpy()[mask]
-                    diffs.append(sampler_lp.astype(np.float64) - trainer_lp)
-        d = np.concatenate(diffs) if diffs else np.zeros(0)
-        out: dict[str, float] = {"loss_sum": loss, "sampled_tokens_trained": tokens}
-        if d.size:
-            # k1 (mean log ratio) and k2 (half the mean squared log ratio) estimators.
-            out["kl_sample_train_v1"] = float(d.mean())
-            out["kl_sample_train_v2"] = float(0.5 * (d * d).mean())
+                    pairs.append((self.datums[i].loss_fn_inputs["logprobs"].to_numpy()[mask],
+                                  record["logprobs"].to_numpy()[mask]))
+        out: dict[str, float] = {"loss_sum": loss, "sampled_tokens_trained": tokens, **mismatch_metrics(pairs),
+                                 **token_staleness(self.versions, self.updates)}
         if self.cfg.entropy_coef and tokens:
             out["entropy_mean"] = entropy / tokens
         norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)

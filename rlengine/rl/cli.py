@@ -105,6 +105,8 @@ class _Progress:
         if self.bar is not None:
             self.bar.n = record["step"]
             post = {"reward": _fmt(record.get("reward_mean"))}
+            if record.get("kl_sample_train_k3") is not None:
+                post["kl"] = f"{record['kl_sample_train_k3']:.1e}"
             if record.get("attempts_failed"):
                 post["failed"] = _failures(record)
             if self.eval is not None:
