@@ -233,8 +233,8 @@ def test_http_vs_ipc_agent_episode_overhead(record, cache):
             for kind in times:  # warm-up: imports, first connections
                 await episodes(make[kind])
             for _ in range(ROUNDS):
-                for kind in times:
-                    times[kind].append(await episodes(make[kind]))
+                for kind, got in times.items():
+                    got.append(await episodes(make[kind]))
         http, bare, ipc = (statistics.median(times[k]) for k in ("http", "aiohttp", "ipc"))
         return {"http_ms_per_episode": 1000 * http, "aiohttp_ms_per_episode": 1000 * bare,
                 "ipc_ms_per_episode": 1000 * ipc, "ratio_http_over_ipc": http / ipc,
