@@ -148,9 +148,10 @@ class StepBatch:
         self.groups.append(DumpedGroup(group=item.index, attempt=item.attempt, rewards=verdict.rewards,
                                        trajectories=verdict.kept, advantages=verdict.advantages))
         offset = self.policy_version(0)  # policy versions are engine versions shifted by a constant
+        with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
         for i, advantage in zip(verdict.kept, verdict.advantages):
             for j, (datum, mask, versions) in enumerate(trajectory_datums(group.trajectories[i], advantage,
-                                                                           with_mask=cfg.entropy_coef > 0)):
+                                                                           with_mask=with_mask)):
                 self.pending_datums.append(datum)
                 self.pending_keys.append((item.index, i, j))
                 self.masks.append(mask)
@@ -265,11 +266,12 @@ class StepBatch:
         any difference between the two logprobs is sampler/trainer mismatch,
         not learning."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        loss = entropy = 0.0
+        loss = entropy = kl_ref = 0.0
         tokens = 0
         for n, (out, idx) in enumerate(outputs):
             loss += out.metrics.get("loss:sum", 0.0)
             entropy += out.metrics.get("entropy:sum", 0.0)
+            kl_ref += out.metrics.get("kl_ref:sum", 0.0)
             for record, i in zip(out.loss_fn_outputs, idx):
                 mask = self.masks[i] > 0
                 tokens += int(mask.sum())
@@ -280,6 +282,8 @@ class StepBatch:
                                  **token_staleness(self.versions, self.updates)}
         if self.cfg.entropy_coef and tokens:
             out["entropy_mean"] = entropy / tokens
+        if self.cfg.kl_coef is not None and tokens:
+            out["kl_ref_mean"] = kl_ref / tokens  # the estimator's mean over the step's trained tokens
         norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)
                  if "grad_norm" in m]
         if norms:
