@@ -105,7 +105,8 @@ class StepBatch:
     def intake(self, result: RolloutResult) -> WorkItem | None:
         """One group into the step: stale filter, failures and survivors, advantages, datums.
 
-        Returns the retry of a stale group (the dataloader re-issues it), None for any other."""
+        Returns the retry of a stale group, or (``dynamic_sampling_attempts``) of a group whose
+        rewards are all equal: the dataloader re-issues it; None for any other."""
         cfg = self.cfg
         item, group = result.item, result.group
         spans = group.versions()
@@ -117,9 +118,15 @@ class StepBatch:
             self.counts["groups_resampled_stale"] += 1
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
-        self.consumed += 1
         verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
                                skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
+        if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
+                and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
+            # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
+            self.counts["groups_resampled_constant"] += 1
+            self.ledger.append({**entry, "rewards": verdict.rewards, "disposition": "resampled_constant"})
+            return WorkItem(item.index, item.attempt + 1, item.builder)
+        self.consumed += 1
         self.rewards += verdict.rewards
         self.counts["attempts_failed"] += verdict.failed
         for t in group.trajectories:
@@ -236,7 +243,8 @@ class StepBatch:
         batch = cls(cfg, training, dump.step, dump.updates, policy_version=int)
         batch.rewards, batch.counts, batch.staleness = list(dump.rewards), Counter(dump.counts), list(dump.staleness)
         batch.tokens, batch.env_metrics, batch.tag_rewards = dump.tokens_sampled, dump.env_metrics, dump.tag_rewards
-        batch.consumed = sum(v for k, v in dump.counts.items() if k.startswith("groups_") and k != "groups_resampled_stale")
+        batch.consumed = sum(v for k, v in dump.counts.items()
+                             if k.startswith("groups_") and not k.startswith("groups_resampled_"))
         batch.datums = [d.datum for d in dump.datums]
         batch.masks = [d.mask.to_numpy() for d in dump.datums]
         batch.versions = [d.versions.to_numpy() for d in dump.datums]
@@ -299,6 +307,7 @@ class StepBatch:
             "groups_dropped_constant_reward": self.counts["groups_dropped_constant_reward"],
             "groups_dropped_too_few_survivors": self.counts["groups_dropped_too_few_survivors"],
             "groups_resampled_stale": self.counts["groups_resampled_stale"],
+            "groups_resampled_constant": self.counts["groups_resampled_constant"],
             "attempts_failed": self.counts["attempts_failed"],
             **{f"attempts_failed_{kind}": self.counts[f"attempts_failed_{kind}"] for kind in FAILURE_KINDS},
             "datums": len(self.datums),

@@ -61,6 +61,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     clip_high_threshold: float | None = None
     """None: the loss's default (ppo 1.2, cispo 4.0)."""
     entropy_coef: float = 0.0
+    dynamic_sampling_attempts: int = 0
+    """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
+    seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);
+    its samples are logged (``resampled_constant`` in groups.jsonl), not trained. 0: off."""
     kl_coef: float | None = None
     """A KL penalty to the reference policy (the initial weights), ``kl_coef * KL`` per sampled
     token (``rlengine.trainer.losses``); 0 measures it without penalising (``kl_ref_mean`` in
@@ -120,7 +124,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
             _integer(name, getattr(self, name), minimum=1)
-        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every"):
+        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts"):
             _integer(name, getattr(self, name), minimum=0)
         if self.workers is not None:
             _integer("workers", self.workers, minimum=1)
