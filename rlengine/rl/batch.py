@@ -157,7 +157,10 @@ class StepBatch:
         offset = self.policy_version(0)  # policy versions are engine versions shifted by a constant
         with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
         for i, advantage in zip(verdict.kept, verdict.advantages):
-            for j, (datum, mask, versions) in enumerate(trajectory_datums(group.trajectories[i], advantage,
+            trajectory = group.trajectories[i]
+            if cfg.loss_aggregation == "sequence":  # each trajectory weighs the same, whatever its length
+                advantage /= max(1, trajectory.sampled_tokens)
+            for j, (datum, mask, versions) in enumerate(trajectory_datums(trajectory, advantage,
                                                                            with_mask=with_mask)):
                 self.pending_datums.append(datum)
                 self.pending_keys.append((item.index, i, j))

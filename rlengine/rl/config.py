@@ -61,6 +61,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     clip_high_threshold: float | None = None
     """None: the loss's default (ppo 1.2, cispo 4.0)."""
     entropy_coef: float = 0.0
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """How the loss weighs sampled tokens: ``token``, every token alike (the Tinker losses' sum
+    over tokens; DAPO's token-level aggregation), or ``sequence``, every trajectory alike (its
+    advantage divided by its number of sampled tokens: GRPO's per-sequence mean)."""
     dynamic_sampling_attempts: int = 0
     """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
     seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);

@@ -37,3 +37,29 @@ def test_constant_groups_are_resampled_up_to_the_bound_and_the_batch_fills_with_
     trained = sum(s["groups_trained"] for s in steps)
     assert trained > sum(s["groups_trained"] for s in plain_steps)
     assert all(s["groups_trained"] + s["groups_dropped_constant_reward"] == 4 for s in steps)
+
+
+def test_sequence_aggregation_divides_each_trajectorys_advantage_by_its_sampled_tokens(tmp_path):
+    from collections import defaultdict
+
+    import numpy as np
+
+    from rlengine.rl.dump import read_step, step_path
+
+    def datums(name, aggregation):
+        outcome = train("rl_sim:RECIPE", {"batches": 1, "gen_len": 3, "turns": 2, "eval_every": 0,
+                                          "checkpoint_every": 0, "loss_aggregation": aggregation,
+                                          "dump_rollouts": str(tmp_path / name)}, run_dir=str(tmp_path / f"run-{name}"))
+        assert outcome.error is None, outcome.error
+        dump = read_step(step_path(str(tmp_path / name), 1), 1)
+        return {(d.group, d.trajectory, d.segment): d for d in dump.datums}
+
+    token, sequence = datums("token", "token"), datums("sequence", "sequence")
+    assert token.keys() == sequence.keys() and token
+    sampled = defaultdict(float)
+    for (g, t, _), d in token.items():
+        sampled[g, t] += float(d.mask.to_numpy().sum())
+    for key, d in token.items():
+        a_tok = d.datum.loss_fn_inputs["advantages"].to_numpy()
+        a_seq = sequence[key].datum.loss_fn_inputs["advantages"].to_numpy()
+        np.testing.assert_allclose(a_seq, a_tok / sampled[key[:2]], rtol=1e-6)
