@@ -105,7 +105,8 @@ class StepBatch:
     def intake(self, result: RolloutResult) -> WorkItem | None:
         """One group into the step: stale filter, failures and survivors, advantages, datums.
 
-        Returns the retry of a stale group (the dataloader re-issues it), None for any other."""
+        Returns the retry of a stale group, or (``dynamic_sampling_attempts``) of a group whose
+        rewards are all equal: the dataloader re-issues it; None for any other."""
         cfg = self.cfg
         item, group = result.item, result.group
         spans = group.versions()
@@ -117,9 +118,15 @@ class StepBatch:
             self.counts["groups_resampled_stale"] += 1
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
-        self.consumed += 1
         verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
                                skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
+        if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
+                and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
+            # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
+            self.counts["groups_resampled_constant"] += 1
+            self.ledger.append({**entry, "rewards": verdict.rewards, "disposition": "resampled_constant"})
+            return WorkItem(item.index, item.attempt + 1, item.builder)
+        self.consumed += 1
         self.rewards += verdict.rewards
         self.counts["attempts_failed"] += verdict.failed
         for t in group.trajectories:
@@ -148,9 +155,13 @@ class StepBatch:
         self.groups.append(DumpedGroup(group=item.index, attempt=item.attempt, rewards=verdict.rewards,
                                        trajectories=verdict.kept, advantages=verdict.advantages))
         offset = self.policy_version(0)  # policy versions are engine versions shifted by a constant
+        with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
         for i, advantage in zip(verdict.kept, verdict.advantages):
-            for j, (datum, mask, versions) in enumerate(trajectory_datums(group.trajectories[i], advantage,
-                                                                           with_mask=cfg.entropy_coef > 0)):
+            trajectory = group.trajectories[i]
+            if cfg.loss_aggregation == "sequence":  # each trajectory weighs the same, whatever its length
+                advantage /= max(1, trajectory.sampled_tokens)
+            for j, (datum, mask, versions) in enumerate(trajectory_datums(trajectory, advantage,
+                                                                           with_mask=with_mask)):
                 self.pending_datums.append(datum)
                 self.pending_keys.append((item.index, i, j))
                 self.masks.append(mask)
@@ -235,7 +246,8 @@ class StepBatch:
         batch = cls(cfg, training, dump.step, dump.updates, policy_version=int)
         batch.rewards, batch.counts, batch.staleness = list(dump.rewards), Counter(dump.counts), list(dump.staleness)
         batch.tokens, batch.env_metrics, batch.tag_rewards = dump.tokens_sampled, dump.env_metrics, dump.tag_rewards
-        batch.consumed = sum(v for k, v in dump.counts.items() if k.startswith("groups_") and k != "groups_resampled_stale")
+        batch.consumed = sum(v for k, v in dump.counts.items()
+                             if k.startswith("groups_") and not k.startswith("groups_resampled_"))
         batch.datums = [d.datum for d in dump.datums]
         batch.masks = [d.mask.to_numpy() for d in dump.datums]
         batch.versions = [d.versions.to_numpy() for d in dump.datums]
@@ -265,11 +277,12 @@ class StepBatch:
         any difference between the two logprobs is sampler/trainer mismatch,
         not learning."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        loss = entropy = 0.0
+        loss = entropy = kl_ref = 0.0
         tokens = 0
         for n, (out, idx) in enumerate(outputs):
             loss += out.metrics.get("loss:sum", 0.0)
             entropy += out.metrics.get("entropy:sum", 0.0)
+            kl_ref += out.metrics.get("kl_ref:sum", 0.0)
             for record, i in zip(out.loss_fn_outputs, idx):
                 mask = self.masks[i] > 0
                 tokens += int(mask.sum())
@@ -280,6 +293,8 @@ class StepBatch:
                                  **token_staleness(self.versions, self.updates)}
         if self.cfg.entropy_coef and tokens:
             out["entropy_mean"] = entropy / tokens
+        if self.cfg.kl_coef is not None and tokens:
+            out["kl_ref_mean"] = kl_ref / tokens  # the estimator's mean over the step's trained tokens
         norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)
                  if "grad_norm" in m]
         if norms:
@@ -295,6 +310,7 @@ class StepBatch:
             "groups_dropped_constant_reward": self.counts["groups_dropped_constant_reward"],
             "groups_dropped_too_few_survivors": self.counts["groups_dropped_too_few_survivors"],
             "groups_resampled_stale": self.counts["groups_resampled_stale"],
+            "groups_resampled_constant": self.counts["groups_resampled_constant"],
             "attempts_failed": self.counts["attempts_failed"],
             **{f"attempts_failed_{kind}": self.counts[f"attempts_failed_{kind}"] for kind in FAILURE_KINDS},
             "datums": len(self.datums),

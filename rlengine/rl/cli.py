@@ -149,7 +149,7 @@ def _summary(outcome: Any, recipe: str) -> list[str]:
     if s.get("steps"):
         lines.append(f"  groups dropped: {s['groups_dropped_constant_reward']} constant reward, "
                      f"{s['groups_dropped_too_few_survivors']} too few survivors; re-sampled stale: "
-                     f"{s['groups_resampled_stale']}; failed attempts: {_failures(s)}; sampler idle "
+                     f"{s['groups_resampled_stale']}, constant {s['groups_resampled_constant']}; failed attempts: {_failures(s)}; sampler idle "
                      f"{_fmt(100 * s['sampler_idle_frac_median'] if s.get('sampler_idle_frac_median') is not None else None, 0)}%")
     lines.append(f"  run dir: {outcome.run_dir}" + ("  (reward curve: reward.png)" if outcome.png_path else ""))
     return lines

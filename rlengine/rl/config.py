@@ -61,6 +61,20 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     clip_high_threshold: float | None = None
     """None: the loss's default (ppo 1.2, cispo 4.0)."""
     entropy_coef: float = 0.0
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """How the loss weighs sampled tokens: ``token``, every token alike (the Tinker losses' sum
+    over tokens; DAPO's token-level aggregation), or ``sequence``, every trajectory alike (its
+    advantage divided by its number of sampled tokens: GRPO's per-sequence mean)."""
+    dynamic_sampling_attempts: int = 0
+    """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
+    seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);
+    its samples are logged (``resampled_constant`` in groups.jsonl), not trained. 0: off."""
+    kl_coef: float | None = None
+    """A KL penalty to the reference policy (the initial weights), ``kl_coef * KL`` per sampled
+    token (``rlengine.trainer.losses``); 0 measures it without penalising (``kl_ref_mean`` in
+    metrics.jsonl); None: neither."""
+    kl_estimator: int = 3
+    """The KL estimator: 1, 2 or 3 (k1, k2, k3)."""
     learning_rate: float = 1e-4
     lr_schedule: Literal["constant", "linear"] = "constant"
     """``linear`` decays the learning rate from ``learning_rate`` at the first step to 0 after the last."""
@@ -114,7 +128,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
             _integer(name, getattr(self, name), minimum=1)
-        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every"):
+        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts"):
             _integer(name, getattr(self, name), minimum=0)
         if self.workers is not None:
             _integer("workers", self.workers, minimum=1)
@@ -134,9 +148,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             _number(name, getattr(self, name), minimum=0.0)
         for name in ("learning_rate", "eps", "episode_timeout_s", "call_timeout_s", "shutdown_grace_s"):
             _number(name, getattr(self, name), minimum=0.0, exclusive=True)
-        for name in ("clip_low_threshold", "clip_high_threshold"):
+        for name in ("clip_low_threshold", "clip_high_threshold", "kl_coef"):
             if getattr(self, name) is not None:
                 _number(name, getattr(self, name), minimum=0.0)
+        if self.kl_estimator not in (1, 2, 3) or isinstance(self.kl_estimator, bool):
+            raise ConfigurationError(f"kl_estimator={self.kl_estimator!r}: must be 1, 2 or 3 (k1, k2, k3)")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             _number(name, v, minimum=0.0)
@@ -165,6 +181,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             out["clip_high_threshold"] = self.clip_high_threshold
         if self.entropy_coef:
             out["entropy_coef"] = self.entropy_coef
+        if self.kl_coef is not None:
+            out |= {"kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
         return out
 
 

@@ -398,7 +398,7 @@ class TrainingRun:
 
     def _intake(self, result: RolloutResult, batch: StepBatch) -> None:
         """One group into the step's batch (``StepBatch.intake``) and into the dataloader's books:
-        a stale group is issued again, any other is done."""
+        a stale group (or, with dynamic sampling, a constant one) is issued again, any other is done."""
         item = result.item
         retry = batch.intake(result)
         if retry is not None:

@@ -25,6 +25,23 @@ trainers report the Tinker loss as ``loss:sum`` unchanged and the bonus's
 ``entropy:sum`` beside it. Without ``entropy_coef`` nothing differs from
 Tinker, and ``mask`` is rejected as before.
 
+A **KL penalty to a reference policy** is another option on top:
+``loss_fn_config={"kl_coef": c, "kl_estimator": k}`` (``c >= 0``, ``k`` 1, 2
+or 3, default 3) makes the trainer minimise ``loss + c * sum_t mask_t *
+KL_t``, where, with ``x = logp_ref - logp`` at each target token (``logp_ref``
+under the reference: the model's initial weights, loaded once from its
+directory, never trained):
+
+* k1 = ``-x`` (d/dlogp = 1),
+* k2 = ``x^2 / 2`` (d/dlogp = ``-x``),
+* k3 = ``exp(x) - 1 - x`` (d/dlogp = ``1 - exp(x)``; never negative),
+
+the usual estimators of KL(policy || reference) over tokens the policy
+sampled (``reference_kl``). ``kl_coef`` 0 measures without penalising. The
+trainers report ``kl_ref:sum`` (the estimator's sum, mask-weighted) beside
+``loss:sum``, which stays Tinker's; ``mask`` is then allowed as with an
+entropy bonus.
+
 ``validate_data`` runs on the loop thread before anything is queued and
 raises ``InvalidRequest`` naming the datum and field.
 """
@@ -39,8 +56,10 @@ import numpy as np
 from rlengine.errors import InvalidRequest
 from rlengine.types import LOSS_FNS, Datum
 
-__all__ = ["REQUIRED_INPUTS", "LossSettings", "as_settings", "clip_thresholds", "elementwise", "loss_settings",
-           "validate_data"]
+__all__ = ["KL_ESTIMATORS", "REQUIRED_INPUTS", "LossSettings", "as_settings", "clip_thresholds", "elementwise",
+           "loss_settings", "reference_kl", "validate_data"]
+
+KL_ESTIMATORS = (1, 2, 3)
 
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens",),
@@ -58,6 +77,9 @@ class LossSettings(NamedTuple):
     clip_low: float
     clip_high: float
     entropy_coef: float = 0.0
+    kl_coef: float | None = None
+    """None: no reference KL; 0: measured, not penalised."""
+    kl_estimator: int = 3
 
     def config(self, loss_fn: str) -> dict[str, float]:
         """The ``loss_fn_config`` that resolves to these settings (for re-validation)."""
@@ -66,7 +88,14 @@ class LossSettings(NamedTuple):
             out |= {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
         if self.entropy_coef:
             out["entropy_coef"] = self.entropy_coef
+        if self.kl_coef is not None:
+            out |= {"kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
         return out
+
+    @property
+    def masked(self) -> bool:
+        """Whether a ``mask`` input weighs the options on top (entropy bonus, reference KL)."""
+        return bool(self.entropy_coef) or self.kl_coef is not None
 
 
 def as_settings(thresholds: tuple[float, ...]) -> LossSettings:
@@ -81,10 +110,10 @@ def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
     """Resolve ``loss_fn_config``: clip thresholds (ppo, cispo) and ``entropy_coef`` (any loss)."""
     lo, hi = _DEFAULT_CLIP.get(loss_fn, (0.0, math.inf))
     config = config or {}
+    known = ("clip_low_threshold", "clip_high_threshold", "entropy_coef", "kl_coef", "kl_estimator")
     for key in config:
-        if key not in ("clip_low_threshold", "clip_high_threshold", "entropy_coef"):
-            raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key],
-                                 "unknown key (known: clip_low_threshold, clip_high_threshold, entropy_coef)")
+        if key not in known:
+            raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key], f"unknown key (known: {', '.join(known)})")
     clip_keys = {"clip_low_threshold", "clip_high_threshold"} & set(config)
     if clip_keys and loss_fn not in _DEFAULT_CLIP:
         raise InvalidRequest("loss_fn_config", config, f"loss_fn={loss_fn!r} takes no clip thresholds")
@@ -98,7 +127,28 @@ def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
         raise InvalidRequest("loss_fn_config['entropy_coef']", coef, "must be finite")
     if lo > hi:
         raise InvalidRequest("loss_fn_config", config, f"clip_low_threshold {lo} > clip_high_threshold {hi}")
-    return LossSettings(float(lo), float(hi), float(coef))
+    kl = config.get("kl_coef")
+    if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not math.isfinite(kl)
+                           or kl < 0):
+        raise InvalidRequest("loss_fn_config['kl_coef']", kl, "must be a finite number >= 0")
+    estimator = config.get("kl_estimator", 3)
+    if estimator not in KL_ESTIMATORS or isinstance(estimator, bool):
+        raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "must be 1, 2 or 3 (k1, k2, k3)")
+    if "kl_estimator" in config and kl is None:
+        raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "needs kl_coef")
+    return LossSettings(float(lo), float(hi), float(coef), None if kl is None else float(kl), int(estimator))
+
+
+def reference_kl(logp: np.ndarray, ref_logp: np.ndarray, estimator: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token, the ``estimator`` (1, 2, 3) of KL(policy || reference) and its derivative with
+    respect to ``logp`` (float64); see the module docstring."""
+    x = ref_logp.astype(np.float64) - logp.astype(np.float64)
+    if estimator == 1:
+        return -x, np.ones_like(x)
+    if estimator == 2:
+        return 0.5 * x * x, -x
+    e = np.exp(x)
+    return e - 1.0 - x, 1.0 - e
 
 
 def clip_thresholds(loss_fn: str, config: dict[str, Any] | None) -> tuple[float, float]:
@@ -119,7 +169,7 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
                              "must be a non-empty list of Datum")
     required = REQUIRED_INPUTS[loss_fn]
     allowed = set(required) | set(_OPTIONAL_INPUTS.get(loss_fn, ()))
-    if thresholds.entropy_coef:
+    if thresholds.masked:
         allowed.add("mask")
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):

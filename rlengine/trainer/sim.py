@@ -26,7 +26,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from rlengine.errors import InvalidRequest
-from rlengine.trainer.losses import as_settings, elementwise
+from rlengine.trainer.losses import as_settings, elementwise, reference_kl
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ class SimTrainer:
         self.vocab_size = cfg.vocab_size
         self.max_len = cfg.max_model_len
         self.theta = cfg.initial_weights().astype(np.float64)
+        self.reference = self.theta.copy()
+        """The initial weights: the reference policy of a KL penalty (never trained)."""
         self.grad = np.zeros_like(self.theta)
         self.exp_avg = np.zeros_like(self.theta)
         self.exp_avg_sq = np.zeros_like(self.theta)
@@ -60,8 +62,10 @@ class SimTrainer:
         logp_all = self._log_softmax()
         probs = np.exp(logp_all)
         entropy = float(-(probs * logp_all).sum())
+        ref_all = self.reference - self.reference.max()
+        ref_all = ref_all - math.log(np.exp(ref_all).sum())
         total = 0.0
-        entropy_total = 0.0
+        entropy_total = kl_total = 0.0
         outputs = []
         grad = np.zeros_like(self.theta)
         for datum in data:
@@ -70,6 +74,11 @@ class SimTrainer:
             logp = logp_all[targets]
             loss, dlogp = elementwise(loss_fn, logp, inputs, settings)
             total += float(loss.sum())
+            if settings.kl_coef is not None:
+                mask = inputs["mask"] if "mask" in inputs else np.ones(len(targets))
+                kl, dkl = reference_kl(logp, ref_all[targets], settings.kl_estimator)
+                kl_total += float((mask * kl).sum())
+                dlogp = dlogp + settings.kl_coef * mask * dkl
             if backward:
                 grad += np.bincount(targets, weights=dlogp, minlength=self.vocab_size) - dlogp.sum() * probs
             if settings.entropy_coef:
@@ -84,6 +93,8 @@ class SimTrainer:
         metrics = {"loss:sum": total}
         if settings.entropy_coef:
             metrics["entropy:sum"] = entropy_total
+        if settings.kl_coef is not None:
+            metrics["kl_ref:sum"] = kl_total
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:

@@ -16,7 +16,10 @@ with the sampler drained:
   from it. Gradients accumulate across calls until ``optim_step``. With an
   entropy bonus (``LossSettings.entropy_coef``, see ``losses``) the entropy
   of each position's whole next-token distribution is computed from the
-  same logits and ``-coef * mask * H`` joins the backward pass.
+  same logits and ``-coef * mask * H`` joins the backward pass. With a KL
+  penalty (``LossSettings.kl_coef``) a frozen copy of the initial weights,
+  loaded from the model directory on first use, gives the reference logprobs
+  (no graph) and ``kl_coef * mask * dKL/dlogp`` joins ``dlogp``.
 * ``optim_step(AdamParams)``: torch AdamW with the given hyperparameters,
   after global grad-norm clipping when ``grad_clip_norm > 0``.
 * ``sampler_weights``: the parameters themselves, by HF name, for the
@@ -44,7 +47,7 @@ from safetensors.torch import load_file, save_file
 
 from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
 from rlengine.errors import ConfigurationError, InvalidRequest
-from rlengine.trainer.losses import as_settings, elementwise, validate_data
+from rlengine.trainer.losses import as_settings, elementwise, reference_kl, validate_data
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 __all__ = ["TorchTrainer", "build"]
@@ -83,6 +86,8 @@ class TorchTrainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.named_params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(list(self.named_params.values()), lr=AdamParams().learning_rate)
+        self._reference: Any = None
+        """The reference policy of a KL penalty (``losses``), loaded on first use."""
 
     # -- forward passes ---------------------------------------------------------------
 
@@ -100,9 +105,22 @@ class TorchTrainer:
                 longest = n
         return groups
 
-    def _target_logprobs(self, data: list[Datum], entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _reference_logprobs(self, data: list[Datum]) -> np.ndarray:
+        """``logp`` of every target under the reference policy: the model's initial weights,
+        loaded from its directory on first use and never trained (float32, no graph)."""
+        if self._reference is None:
+            self._reference = load_causal_lm(self.model_path, self.device, torch.float32)
+            self._reference.eval()
+            self._reference.requires_grad_(False)
+        with torch.no_grad():
+            logp, _ = self._target_logprobs(data, entropy=False, model=self._reference)
+        return logp.cpu().numpy()
+
+    def _target_logprobs(self, data: list[Datum], entropy: bool,
+                         model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``logp`` of every target, datums concatenated in order (float32, with graph),
-        and with ``entropy`` the entropy of the next-token distribution at each position."""
+        and with ``entropy`` the entropy of the next-token distribution at each position;
+        ``model`` None: the trained one."""
         lengths = [d.model_input.length for d in data]
         n = max(lengths)
         ids = torch.zeros((len(data), n), dtype=torch.long)
@@ -113,7 +131,7 @@ class TorchTrainer:
         ids, targets = ids.to(self.device), targets.to(self.device)
         autocast = self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            logits = self.model(input_ids=ids).logits
+            logits = (model or self.model)(input_ids=ids).logits
         logits = logits.float()
         norm = logits.logsumexp(-1)
         logp = logits.gather(-1, targets[..., None]).squeeze(-1) - norm
@@ -131,12 +149,13 @@ class TorchTrainer:
         coef = settings.entropy_coef
         outputs: list[dict[str, TensorData]] = [{} for _ in data]
         total = 0.0
-        entropy_total = 0.0
+        entropy_total = kl_total = 0.0
         for group in self._micro_batches(data):
             batch = [data[i] for i in group]
             with torch.set_grad_enabled(backward):
                 logp, ent = self._target_logprobs(batch, entropy=coef > 0)
             logp_np = logp.detach().cpu().numpy()
+            ref_np = self._reference_logprobs(batch) if settings.kl_coef is not None else None
             grads, masks = [], []
             offset = 0
             for i, datum in zip(group, batch):
@@ -144,8 +163,14 @@ class TorchTrainer:
                 inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
                 loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, settings)
                 total += float(loss.sum())
+                mask = inputs["mask"] if "mask" in inputs else np.ones(n)
+                if ref_np is not None:
+                    kl, dkl = reference_kl(logp_np[offset:offset + n], ref_np[offset:offset + n],
+                                           settings.kl_estimator)
+                    kl_total += float((mask * kl).sum())
+                    dlogp = dlogp + settings.kl_coef * mask * dkl
                 grads.append(dlogp)
-                masks.append(inputs["mask"] if "mask" in inputs else np.ones(n))
+                masks.append(mask)
                 outputs[i] = {"logprobs": TensorData.from_numpy(logp_np[offset:offset + n]),
                               "elementwise_loss": TensorData.from_numpy(loss.astype(np.float32))}
                 offset += n
@@ -162,6 +187,8 @@ class TorchTrainer:
         metrics = {"loss:sum": total}
         if coef:
             metrics["entropy:sum"] = entropy_total
+        if settings.kl_coef is not None:
+            metrics["kl_ref:sum"] = kl_total
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:
