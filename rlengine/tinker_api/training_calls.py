@@ -14,6 +14,10 @@ and may open a sampling session on it (``inflight``: the model's latest
 weights from then on); ``load_weights`` loads a checkpoint into a model, or
 creates a model from one.
 
+A call refused at submission (bad data, an unknown loss, a checkpoint
+name in use) still consumes its ``seq_id`` (``refused``): otherwise the
+model's next call would wait ``hold_timeout_s`` for it.
+
 Loop thread only; the closures handed to the engine run on the compute
 thread. The calls of sampling sessions live in ``sampling_calls``.
 """
@@ -30,7 +34,7 @@ from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api import wire
-from rlengine.tinker_api.errors import Gone, NotSupported
+from rlengine.tinker_api.errors import Gone, NotSupported, Overloaded
 from rlengine.tinker_api.futures import FuturesTable
 from rlengine.tinker_api.proto import FwdBwdRequest
 from rlengine.tinker_api.registry import Registry
@@ -75,6 +79,15 @@ class TrainingCalls:
             entry.future.set_exception(exc)
             raise
         return {"request_id": entry.request_id, "model_id": model.model_id}
+
+    def refused(self, owner: str, model_id: str | None, seq_id: int | None, error: BaseException) -> None:
+        """A call on ``model_id`` was refused before it was queued (``error``): it still consumes its
+        ``seq_id``, so the model's later calls do not wait for it. Not for another key's model, nor for
+        a refusal the SDK retries (``Overloaded``: the retry takes the turn)."""
+        model = None if model_id is None else self.registry.models.get(model_id)
+        if model is None or model.owner != owner or isinstance(error, Overloaded):
+            return
+        model.refuse(seq_id, error)
 
     # -- training ---------------------------------------------------------------------------
 

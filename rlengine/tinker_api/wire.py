@@ -40,8 +40,8 @@ __all__ = [
     "CreateSamplingSessionRequest", "CreateSessionRequest", "ForwardBackwardJsonRequest", "FutureRetrieveRequest",
     "FuturesRetrieveRequest", "GetInfoRequest", "JoinSamplingSessionRequest", "LoadWeightsRequest", "LoraConfigWire",
     "OptimStepRequest", "SampleRequest", "SaveWeightsForSamplerRequest", "SaveWeightsRequest",
-    "SessionHeartbeatRequest", "UnloadModelRequest", "adam_params", "datum", "forward_backward_json", "model_input",
-    "sample_response_json", "sampling_params",
+    "SessionHeartbeatRequest", "UnloadModelRequest", "adam_params", "call_header", "datum", "forward_backward_json",
+    "model_input", "sample_response_json", "sampling_params",
 ]
 
 
@@ -249,6 +249,28 @@ class FuturesRetrieveRequest(_Body):
 
 class CancelFutureRequest(_Body):
     request_id: str
+
+
+class _CallHeader(msgspec.Struct):
+    """Any JSON object: what ``call_header`` reads of a body the full decoding refused."""
+
+    model_id: Any = None
+    seq_id: Any = None
+
+
+_header_decoder = msgspec.json.Decoder(_CallHeader)
+
+
+def call_header(body: bytes) -> tuple[str | None, int | None]:
+    """The ``model_id`` and ``seq_id`` of a training call's JSON body, where they can be read (None
+    where not): a refused call still consumes its ``seq_id``."""
+    try:
+        header = _header_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+    model_id = header.model_id if isinstance(header.model_id, str) else None
+    seq_id = header.seq_id if isinstance(header.seq_id, int) and not isinstance(header.seq_id, bool) else None
+    return model_id, seq_id
 
 
 # -- wire -> rlengine ----------------------------------------------------------------------

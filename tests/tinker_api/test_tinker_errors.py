@@ -15,6 +15,7 @@ import os
 import time
 
 import msgspec
+import numpy as np
 import pytest
 
 import rlengine as rle
@@ -42,11 +43,16 @@ def ckpt_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(engine, ckpt_dir):
+def server(engine, ckpt_dir):
     # no_auth: any key is accepted and is its caller's identity (KEY_A's sessions are not KEY_B's).
-    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2, no_auth=True))
-    yield server.url
-    server.close()
+    srv = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2, no_auth=True))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.url
 
 
 def call(base: str, path: str, body=None, *, key: str | None = KEY_A, raw: bytes | None = None,
@@ -247,6 +253,67 @@ def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
     call(url, f"sessions/{other}/finish", {"reason": {"type": "success"}})
     assert error(call(url, "get_info", {"model_id": model_id}), 410, "gone")
     healthy(url)
+
+
+def _ce_body(model_id: str, seq_id: int, tokens: list[int] | None = None, loss_fn: str = "cross_entropy") -> dict:
+    tokens = tokens or [5, 9, 14, 20]
+    return {"forward_backward_input": {"loss_fn": loss_fn, "data": [
+        {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+         "loss_fn_inputs": {"target_tokens": {"data": [9] * len(tokens), "dtype": "int64", "shape": [len(tokens)]}}}]},
+        "model_id": model_id, "seq_id": seq_id}
+
+
+def _image_proto(model_id: str, seq_id: int) -> bytes:
+    tinker = pytest.importorskip("tinker")
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    T = tinker.types
+    chunks = [T.EncodedTextChunk(tokens=[5]), T.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=2)]
+    datum = T.Datum(model_input=T.ModelInput(chunks=chunks),
+                    loss_fn_inputs={"target_tokens": np.array([9, 9, 9], dtype=np.int64)})
+    request = T.ForwardBackwardRequest(forward_backward_input=T.ForwardBackwardInput(data=[datum],
+                                                                                     loss_fn="cross_entropy"),
+                                       model_id=model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_a_refused_call_still_takes_its_turn(server, url, engine):
+    """Each call refused at submission consumes its ``seq_id``: the model's next call runs at once instead
+    of waiting ``hold_timeout_s`` for it, and a retry of the refused call gets its refusal again."""
+    sid = session(url)
+    model_id = lora_model(url, sid)
+    model = server.service.registry.models[model_id]
+    context = engine.backend.max_model_len
+    saved = call(url, "save_weights_for_sampler", {"model_id": model_id, "path": "dup", "seq_id": 1})
+    assert result(url, saved.json()["request_id"])["path"].endswith("/sampler_weights/dup")
+    bad_dtype = _ce_body(model_id, 8)
+    bad_dtype["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"]["dtype"] = "int8"
+    refusals = [
+        ("forward_backward", _ce_body(model_id, 2, loss_fn="no_such_loss"), 400, "invalid", "loss_fn"),
+        ("forward_backward", _ce_body(model_id, 3, tokens=[5, 10**6]), 400, "invalid", "data[0].model_input"),
+        ("forward_backward", _ce_body(model_id, 4, tokens=[5] * (context + 1)), 400, "invalid",
+         "data[0].model_input.length"),
+        ("save_weights_for_sampler", {"model_id": model_id, "path": "dup", "seq_id": 5}, 400, "invalid", "path"),
+        ("optim_step", {"model_id": model_id, "seq_id": 6, "optimizer_params": {"type": "dimuon"}}, 400,
+         "not_supported", "optimizer_params"),
+        ("forward", _ce_body(model_id, 7, loss_fn="no_such_loss"), 400, "invalid", "loss_fn"),
+        ("forward_backward", bad_dtype, 400, "invalid",
+         "forward_backward_input.data[0].loss_fn_inputs['target_tokens'].dtype"),
+    ]
+    for path, body, status, code, field in refusals:
+        assert error(call(url, path, body), status, code)["field"] == field
+        assert model.next_seq == body["seq_id"] + 1, (path, field)
+    # The SDK's protobuf body, refused while decoding (an image chunk).
+    body = error(call(url, "forward_backward", raw=_image_proto(model_id, 9),
+                      headers={"Content-Type": "application/x-protobuf"}), 400, "not_supported")
+    assert body["field"] == "ForwardBackwardRequest.data[0].model_input[1]" and model.next_seq == 10
+    # A retry of a refused call (its answer lost) is refused again, not taken for a stale seq_id.
+    assert error(call(url, "forward_backward", _ce_body(model_id, 3, tokens=[5, 10**6])), 400,
+                 "invalid")["field"] == "data[0].model_input"
+    ok = call(url, "forward_backward", _ce_body(model_id, 10))
+    assert ok.status_code == 200 and model.next_seq == 11  # started, not held
+    assert result(url, ok.json()["request_id"])["metrics"]["loss:sum"] > 0
+    call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
 
 
 def test_cancel_and_try_again(engine, ckpt_dir):
