@@ -93,6 +93,7 @@ class TrainingCalls:
 
     def forward_backward(self, owner: str, request: FwdBwdRequest) -> dict[str, Any]:
         model = self.registry.model(owner, request.model_id)
+        wire.check_loss_fn(request.loss_fn)
         backend = self.engine.backend
         thresholds = validate_data(request.data, request.loss_fn, request.loss_fn_config, backend.vocab_size,
                                    backend.max_model_len)
@@ -108,8 +109,9 @@ class TrainingCalls:
     def optim_step(self, owner: str, body: wire.OptimStepRequest) -> dict[str, Any]:
         model = self.registry.model(owner, body.model_id)
         if body.optimizer_params is not None:
-            raise NotSupported("optimizer_params", body.optimizer_params.get("type"),
-                               "rlengine's optimizer is AdamW (adam_params)")
+            family = body.optimizer_params.get("type")
+            wire.check_optimizer("optimizer_params.type", family)
+            raise InvalidRequest("optimizer_params.type", family, "an AdamW step carries adam_params")
         params = wire.adam_params(body.adam_params or body.optim_params or wire.AdamParamsWire())
         return self._train_call(owner, model, body.seq_id, "optim_step", lambda: model.require().optim_step(params),
                                 render_json, lambda r: {"metrics": r.metrics})
@@ -223,6 +225,8 @@ class TrainingCalls:
         if earlier is not None:
             return {"request_id": earlier}
         self.registry.check_trainable()
+        if body.optimizer_config is not None:
+            wire.check_optimizer("optimizer_config.type", body.optimizer_config.type)
         lora = None
         if meta.get("lora") is not None:
             from rlengine.trainer.lora import LoraSpec

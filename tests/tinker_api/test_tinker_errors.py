@@ -174,6 +174,31 @@ def test_unserved_endpoints_answer_not_supported(url):
     healthy(url)
 
 
+def test_known_unserved_features_are_not_supported_and_unknown_names_invalid(url):
+    """The SDK's losses and optimizers rlengine lacks answer ``not_supported`` naming them; names the SDK
+    does not have either are ``invalid``, naming the field and the value."""
+    sid = session(url)
+    model_id = lora_model(url, sid)
+    for seq, loss in enumerate(("dro", "gspo", "stable_reinforce", "custom"), start=1):
+        body = error(call(url, "forward_backward", _ce_body(model_id, seq, loss_fn=loss)), 400, "not_supported")
+        assert (body["field"], body["value"]) == ("loss_fn", loss) and loss in body["message"]
+    body = error(call(url, "forward_backward", _ce_body(model_id, 5, loss_fn="ppo2")), 400, "invalid")
+    assert (body["field"], body["value"]) == ("loss_fn", "ppo2") and "cross_entropy" in body["message"]
+    for seq, (family, status, code) in enumerate((("dimuon", 400, "not_supported"), ("sgd", 400, "invalid")),
+                                                 start=6):
+        body = error(call(url, "optim_step", {"model_id": model_id, "seq_id": seq,
+                                              "optimizer_params": {"type": family}}), status, code)
+        assert (body["field"], body["value"]) == ("optimizer_params.type", family)
+        body = error(call(url, "create_model", {"session_id": sid, "model_seq_id": seq, "base_model": "tiny",
+                                                "optimizer_config": {"type": family}}), status, code)
+        assert (body["field"], body["value"]) == ("optimizer_config.type", family)
+    body = error(call(url, "create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny",
+                                            "lora_config": {"rank": -1}}), 400, "invalid")
+    assert (body["field"], body["value"]) == ("lora_config.rank", -1)
+    call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
+    healthy(url)
+
+
 def test_oversized_bodies_and_shared_secret(engine, ckpt_dir):
     small = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_body_bytes=4096, api_key="tml-secret"))
     try:
@@ -295,7 +320,7 @@ def test_a_refused_call_still_takes_its_turn(server, url, engine):
          "data[0].model_input.length"),
         ("save_weights_for_sampler", {"model_id": model_id, "path": "dup", "seq_id": 5}, 400, "invalid", "path"),
         ("optim_step", {"model_id": model_id, "seq_id": 6, "optimizer_params": {"type": "dimuon"}}, 400,
-         "not_supported", "optimizer_params"),
+         "not_supported", "optimizer_params.type"),
         ("forward", _ce_body(model_id, 7, loss_fn="no_such_loss"), 400, "invalid", "loss_fn"),
         ("forward_backward", bad_dtype, 400, "invalid",
          "forward_backward_input.data[0].loss_fn_inputs['target_tokens'].dtype"),
