@@ -60,6 +60,10 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Tell SDKs to learn of finished samples from one ``retrieve_futures`` long poll per
     sampling session instead of one ``retrieve_future`` poll per sample."""
     sweep_interval_s: float = 5.0
+    model_aliases: dict[str, str] = {}
+    """Extra base-model names the server answers to, each -> the served model it stands for (the
+    engine's model name or directory), e.g. ``{"Qwen/Qwen3-8B": "tiny"}`` for code that names a hub
+    model; listed by ``get_server_capabilities``."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_futures", "max_models", "sampler_snapshots_kept"):
@@ -72,5 +76,9 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")
+        for alias, target in self.model_aliases.items():
+            if not alias.strip() or not target.strip():
+                raise ConfigurationError(f"model_aliases[{alias!r}]={target!r}: alias and model must be "
+                                         "non-empty names")
         check_auth(self.api_key, self.no_auth, self.key_file, self.host)
 

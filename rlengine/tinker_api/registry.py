@@ -28,7 +28,7 @@ from typing import Any
 
 from rlengine.core.engine import Engine
 from rlengine.core.futures import RequestFuture
-from rlengine.errors import InvalidRequest
+from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api.config import TinkerServerConfig
 from rlengine.tinker_api.errors import Forbidden, Gone, LimitExceeded, NotSupported, UnknownResource
@@ -72,20 +72,34 @@ class Registry:
 
     # -- what this server serves -----------------------------------------------------------
 
-    def base_model_names(self) -> list[str]:
+    def _own_names(self) -> list[str]:
         cfg = self.engine.config
         names = [cfg.model, self.engine.model_name]
         if self.engine.model_path is not None:
             names.append(self.engine.model_path)
         return list(dict.fromkeys(names))
 
-    def check_base_model(self, field: str, name: str) -> None:
+    def base_model_names(self) -> list[str]:
+        """Every name of the served model: its own, then the configured aliases."""
+        return list(dict.fromkeys([*self._own_names(), *self.config.model_aliases]))
+
+    def _is_model_dir(self, name: str) -> bool:
         path = self.engine.model_path
-        if path is not None and os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(path):
+        return path is not None and os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(path)
+
+    def check_aliases(self) -> None:
+        """Each configured alias must stand for the served model."""
+        for alias, target in self.config.model_aliases.items():
+            if target not in self._own_names() and not self._is_model_dir(target):
+                raise ConfigurationError(f"model_aliases[{alias!r}]={target!r}: this server serves "
+                                         f"{self._own_names()}; an alias must name one of them")
+
+    def check_base_model(self, field: str, name: str) -> None:
+        if self._is_model_dir(name):
             return
         if name not in self.base_model_names():
             raise UnknownResource(field, name, f"this server serves {self.base_model_names()} "
-                                  "(a local model directory, or the engine's model name)")
+                                  "(a local model directory, the engine's model name, or an alias)")
 
     def check_trainable(self) -> None:
         # Before anything imports the trainers (and torch): the sim backend has no model to train.

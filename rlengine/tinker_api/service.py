@@ -68,6 +68,7 @@ class TinkerService:
         self.futures = FuturesTable(max_entries=config.max_futures, ttl_s=config.future_ttl_s)
         self.weights = SamplerWeights(engine, config.sampler_snapshots_kept, self._base_weights)
         self.registry = Registry(engine, config, self.root, self.weights)
+        self.registry.check_aliases()
         self.training = TrainingCalls(self.registry, self.futures)
         self.sampling = SamplingCalls(self.registry, self.futures)
         self.results = Results(self.registry, self.futures)

@@ -280,3 +280,31 @@ def test_concurrent_old_and_new_samplers_each_get_their_own_weights(served):
         assert [s.tokens for s in future.result(WAIT).sequences] == want
     # Concurrent requests for the same weights share an install: at most one per request.
     assert installs < server.service.weights.installs <= installs + len(pending)
+
+
+def test_a_model_alias_serves_code_that_names_a_hub_model(served):
+    """``model_aliases`` maps a hub name to the served model: the SDK lists it, trains and samples by it."""
+    from rlengine.errors import ConfigurationError
+    from rlengine.tinker_api import TinkerServerConfig, start
+
+    engine, server, _ = served
+    hub = "Qwen/Qwen3-8B"
+    aliased = start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True,
+                                               model_aliases={hub: "tiny"}))
+    client = tinker.ServiceClient(base_url=aliased.url, api_key="tml-alias")
+    try:
+        capabilities = tinker.RestClient(base_url=aliased.url, api_key="tml-alias").get_server_capabilities()
+        names = [m.model_name for m in capabilities.result(WAIT).supported_models]
+        assert hub in names and "tiny" in names
+        training_client = client.create_lora_training_client(base_model=hub, rank=4, seed=1).result(WAIT)
+        assert training_client.get_info().model_data.model_name == hub
+        _step(training_client)
+        assert len(_sample(client.create_sampling_client(base_model=hub).result(WAIT))) == 3
+        with pytest.raises(tinker.NotFoundError, match="Qwen/Qwen3-4B"):
+            client.create_lora_training_client(base_model="Qwen/Qwen3-4B", rank=4).result(WAIT)
+    finally:
+        client.close("success").result(WAIT)
+        aliased.close()
+    with pytest.raises(ConfigurationError, match=r"model_aliases\['Qwen/Qwen3-8B'\]='Qwen/Qwen3-8B-local'"):
+        start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True,
+                                         model_aliases={hub: "Qwen/Qwen3-8B-local"}))
