@@ -53,7 +53,13 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     hold_timeout_s: float = 300.0
     """How long a call waits for an earlier ``seq_id`` of its model before it fails."""
     max_models: int = 4
-    """Training models alive at once (each holds its own trainer and optimizer state)."""
+    """Training models alive at once (each holds its own trainer and optimizer state). A creation that finds
+    them all taken evicts the model of a session silent for ``evict_after_s``, else waits up to that long for
+    a slot to free, then fails."""
+    evict_after_s: float = 30.0
+    """A model whose session has sent nothing (no heartbeat, no call) for this long gives its slot to a new
+    model when all ``max_models`` are taken: its client most likely exited without ``close()`` (the SDK beats
+    every 10 s while it runs)."""
     sampler_snapshots_kept: int = 8
     """Sampler weight snapshots kept in memory (a LoRA adapter each, or a full copy for rank 0)."""
     sample_use_retrieve_futures: bool = False
@@ -72,7 +78,8 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigurationError(f"port={self.port!r}: must be an integer in [0, 65535]")
-        for name in ("poll_timeout_s", "future_ttl_s", "session_ttl_s", "hold_timeout_s", "sweep_interval_s"):
+        for name in ("poll_timeout_s", "future_ttl_s", "session_ttl_s", "hold_timeout_s", "sweep_interval_s",
+                     "evict_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")

@@ -96,6 +96,7 @@ class TinkerService:
             for session in list(self.registry.sessions.values()):
                 if now - session.last_seen > self.config.session_ttl_s:
                     self.registry.finish(session, f"no heartbeat for session_ttl_s={self.config.session_ttl_s}")
+            self.registry.sweep_waiting()
             for model in list(self.registry.models.values()):
                 model.expire_held(self.config.hold_timeout_s)
         finally:
@@ -183,10 +184,13 @@ class TinkerService:
             model.trainer = trainer
             return {"model_id": model.model_id, "type": "create_model"}
 
-        inner = engine.submit_blocking("create_model", lambda: build_trainer(engine.config, engine.model_path, lora),
-                                       after=after)
-        inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
-        relay(inner, entry.future)
+        def start() -> None:
+            inner = engine.submit_blocking("create_model",
+                                           lambda: build_trainer(engine.config, engine.model_path, lora), after=after)
+            inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
+            relay(inner, entry.future)
+
+        self.registry.admit(model, start, entry.future.set_exception)
         return {"request_id": entry.request_id, "model_id": model.model_id}
 
     def get_info(self, owner: str, body: wire.GetInfoRequest) -> dict[str, Any]:

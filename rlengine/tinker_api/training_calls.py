@@ -247,7 +247,10 @@ class TrainingCalls:
             model.trainer = trainer
             return {**done, "model_id": model.model_id}
 
-        inner = engine.submit_blocking("create_model", run, after=after)
-        inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
-        relay(inner, entry.future)
+        def start() -> None:
+            inner = engine.submit_blocking("create_model", run, after=after)
+            inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
+            relay(inner, entry.future)
+
+        self.registry.admit(model, start, entry.future.set_exception)
         return {"request_id": entry.request_id, "model_id": model.model_id}

@@ -248,7 +248,7 @@ def test_a_loopback_server_draws_a_key_and_refuses_every_other(engine_config, ck
             open_server.close()
 
 
-def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
+def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(server, url):
     sid = session(url)
     model_id = lora_model(url, sid)
     fb = {"forward_backward_input": {"loss_fn": "cross_entropy", "data": [
@@ -268,16 +268,62 @@ def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
     bad = {**fb, "seq_id": 3}
     bad["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"]["shape"] = [3]
     assert error(call(url, "forward_backward", bad), 400, "invalid")["field"].endswith(".shape")
-    # The model limit of this server (max_models=2) is a typed error, not a hang.
+    # At this server's limit (max_models=2, both sessions active) a new model waits for a slot; finishing
+    # a session frees one.
     other = session(url)
     lora_model(url, other)
-    body = error(call(url, "create_model", {"session_id": other, "model_seq_id": 1, "base_model": "tiny"}),
-                 400, "limit_exceeded")
-    assert "max_models=2" in body["message"]
+    third = call(url, "create_model", {"session_id": other, "model_seq_id": 1, "base_model": "tiny"})
+    assert third.status_code == 200 and server.service.registry.waiting == 1
+    assert third.json()["model_id"] not in server.service.registry.models
     call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
+    assert result(url, third.json()["request_id"])["model_id"] == third.json()["model_id"]
     call(url, f"sessions/{other}/finish", {"reason": {"type": "success"}})
-    assert error(call(url, "get_info", {"model_id": model_id}), 410, "gone")
+    assert "finished by its client" in error(call(url, "get_info", {"model_id": model_id}), 410, "gone")["message"]
     healthy(url)
+
+
+def test_a_full_server_evicts_only_models_of_silent_sessions(engine, ckpt_dir):
+    """With every slot taken, a new model waits; while the holder's session heartbeats it keeps its model
+    and the new one fails ``limit_exceeded`` once the wait is over; once it falls silent for
+    ``evict_after_s`` its model is evicted for the next."""
+    import threading
+
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A, max_models=1,
+                                              evict_after_s=3.0, sweep_interval_s=0.05))
+    try:
+        base = server.url
+        holder, newcomer = session(base), session(base)
+        held = lora_model(base, holder)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(0.1):
+                call(base, "session_heartbeat", {"session_id": holder})
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        try:
+            refused = call(base, "create_model", {"session_id": newcomer, "model_seq_id": 0, "base_model": "tiny"})
+            failed = result(base, refused.json()["request_id"])
+            assert failed["category"] == "user" and failed["error"].startswith("LimitExceeded")
+            assert "max_models=1" in failed["error"] and "evict_after_s=3.0" in failed["error"]
+            assert call(base, "get_info", {"model_id": held}).status_code == 200
+        finally:
+            stop.set()
+            beating.join()
+        evicting = call(base, "create_model", {"session_id": newcomer, "model_seq_id": 1, "base_model": "tiny"})
+        assert result(base, evicting.json()["request_id"])["model_id"] == evicting.json()["model_id"]
+        body = error(call(base, "get_info", {"model_id": held}), 410, "gone")
+        assert body["message"].startswith(f"model_id={held!r}: evicted: max_models=1")
+        # A creation still waiting when its session ends fails with the session.
+        late = session(base)
+        call(base, "session_heartbeat", {"session_id": newcomer})
+        waiting = call(base, "create_model", {"session_id": late, "model_seq_id": 0, "base_model": "tiny"})
+        call(base, f"sessions/{late}/finish", {"reason": {"type": "success"}})
+        assert result(base, waiting.json()["request_id"])["error"].startswith("Gone")
+        assert server.service.registry.waiting == 0
+    finally:
+        server.close()
 
 
 def _ce_body(model_id: str, seq_id: int, tokens: list[int] | None = None, loss_fn: str = "cross_entropy") -> dict:

@@ -308,3 +308,49 @@ def test_a_model_alias_serves_code_that_names_a_hub_model(served):
     with pytest.raises(ConfigurationError, match=r"model_aliases\['Qwen/Qwen3-8B'\]='Qwen/Qwen3-8B-local'"):
         start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True,
                                          model_aliases={hub: "Qwen/Qwen3-8B-local"}))
+
+
+# A recipe as the cookbook's are written: it trains, then exits without ServiceClient.close().
+_PROGRAM = """
+import sys
+import numpy as np
+import tinker
+client = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+training_client = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result(120)
+tokens = [5, 9, 14, 20, 33]
+datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)})
+training_client.forward_backward([datum], "cross_entropy").result(120)
+training_client.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(120)
+print(training_client.model_id)
+"""
+
+
+def test_back_to_back_programs_that_never_close_their_session_all_run(served, tmp_path):
+    """Five SDK programs in a row, none finishing its session, on a server with two model slots: each
+    new model takes the slot of a model whose session went silent, instead of being refused."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from rlengine.tinker_api import TinkerServerConfig, start
+
+    engine, server, _ = served
+    slots = start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True, max_models=2,
+                                             evict_after_s=1.0, sweep_interval_s=0.1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
+    try:
+        model_ids = []
+        for run in range(5):
+            proc = subprocess.run([sys.executable, "-c", _PROGRAM, slots.url, "tml-recipe"], capture_output=True,
+                                  text=True, env=env, timeout=300, check=False)
+            assert proc.returncode == 0, f"program {run + 1}: {proc.stderr[-3000:]}"
+            model_ids.append(proc.stdout.split()[-1])
+        registry = slots.service.registry
+        assert set(registry.models) == set(model_ids[-2:]) and registry.waiting == 0
+        gone = httpx.post(f"{slots.url}/api/v1/get_info", json={"model_id": model_ids[0]},
+                          headers={"X-API-Key": "tml-recipe"}, timeout=30)
+        assert gone.status_code == 410 and "evicted" in gone.json()["error"]["message"]
+    finally:
+        slots.close()
