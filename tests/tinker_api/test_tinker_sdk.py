@@ -171,6 +171,20 @@ def test_full_fine_tuning_at_rank_0_matches_the_in_process_api(served, engine_co
         _assert_same(sdk, _in_process_run(local))
 
 
+def test_a_refused_call_does_not_stall_the_next(served):
+    """Calls the server refuses (a token id past the vocabulary, a loss it lacks) raise in the SDK, and the
+    model's next call runs: the refused calls consumed their seq_ids."""
+    engine, _, client = served
+    training_client = client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result(WAIT)
+    vocab = engine.backend.vocab_size
+    bad = [_datum(True, [5, vocab], {"target_tokens": np.array([9, 9], dtype=np.int64)})]
+    with pytest.raises(tinker.BadRequestError, match=f"token id >= vocab size {vocab}"):
+        training_client.forward_backward(bad, "cross_entropy").result(WAIT)
+    with pytest.raises(tinker.BadRequestError, match="not_supported"):
+        training_client.forward_backward(_is_data(True), "dro").result(WAIT)
+    assert training_client.forward_backward(_ce_data(True), "cross_entropy").result(WAIT).metrics["loss:sum"] > 0
+
+
 def _sample(sampler, seed: int = 11) -> list[list[int]]:
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), 3,
                             types.SamplingParams(max_tokens=10, seed=seed)).result(WAIT)
