@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: <rlengine cache>/tinker-checkpoints)")
     parser.add_argument("--cache-dir", default=None, help="rlengine cache (where model='tiny' is built)")
     parser.add_argument("--max-models", type=int, default=4, help="training models alive at once")
+    parser.add_argument("--model-alias", action="append", default=[], metavar="NAME=MODEL",
+                        help="also answer to base model NAME, standing for the served MODEL (its name or "
+                             "directory), e.g. Qwen/Qwen3-8B=tiny; repeatable")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (samples without a seed draw from it)")
     return parser
 
@@ -62,9 +65,15 @@ async def _serve(args: argparse.Namespace) -> int:
     from rlengine.tinker_api.config import TinkerServerConfig
     from rlengine.tinker_api.server import start_async
 
+    aliases = {}
+    for word in args.model_alias:
+        name, sep, model = word.partition("=")
+        if not sep:
+            raise ConfigurationError(f"--model-alias {word!r}: must be NAME=MODEL")
+        aliases[name] = model
     config = TinkerServerConfig(host=args.host, port=args.port, api_key=args.api_key, no_auth=args.no_auth,
                                 key_file=args.key_file, checkpoint_dir=args.checkpoint_dir,
-                                max_models=args.max_models)
+                                max_models=args.max_models, model_aliases=aliases)
     engine_config = EngineConfig(model=args.model, backend=args.backend, cache_dir=args.cache_dir, seed=args.seed)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -53,13 +53,23 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     hold_timeout_s: float = 300.0
     """How long a call waits for an earlier ``seq_id`` of its model before it fails."""
     max_models: int = 4
-    """Training models alive at once (each holds its own trainer and optimizer state)."""
+    """Training models alive at once (each holds its own trainer and optimizer state). A creation that finds
+    them all taken evicts the model of a session silent for ``evict_after_s``, else waits up to that long for
+    a slot to free, then fails."""
+    evict_after_s: float = 30.0
+    """A model whose session has sent nothing (no heartbeat, no call) for this long gives its slot to a new
+    model when all ``max_models`` are taken: its client most likely exited without ``close()`` (the SDK beats
+    every 10 s while it runs)."""
     sampler_snapshots_kept: int = 8
     """Sampler weight snapshots kept in memory (a LoRA adapter each, or a full copy for rank 0)."""
     sample_use_retrieve_futures: bool = False
     """Tell SDKs to learn of finished samples from one ``retrieve_futures`` long poll per
     sampling session instead of one ``retrieve_future`` poll per sample."""
     sweep_interval_s: float = 5.0
+    model_aliases: dict[str, str] = {}
+    """Extra base-model names the server answers to, each -> the served model it stands for (the
+    engine's model name or directory), e.g. ``{"Qwen/Qwen3-8B": "tiny"}`` for code that names a hub
+    model; listed by ``get_server_capabilities``."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_futures", "max_models", "sampler_snapshots_kept"):
@@ -68,9 +78,14 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigurationError(f"port={self.port!r}: must be an integer in [0, 65535]")
-        for name in ("poll_timeout_s", "future_ttl_s", "session_ttl_s", "hold_timeout_s", "sweep_interval_s"):
+        for name in ("poll_timeout_s", "future_ttl_s", "session_ttl_s", "hold_timeout_s", "sweep_interval_s",
+                     "evict_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")
+        for alias, target in self.model_aliases.items():
+            if not alias.strip() or not target.strip():
+                raise ConfigurationError(f"model_aliases[{alias!r}]={target!r}: alias and model must be "
+                                         "non-empty names")
         check_auth(self.api_key, self.no_auth, self.key_file, self.host)
 

@@ -32,7 +32,7 @@ from rlengine.errors import InvalidRequest
 from rlengine.tinker_api.errors import NotSupported
 from rlengine.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
 
-__all__ = ["FwdBwdRequest", "decode_forward_backward_request", "encode_forward_backward_output",
+__all__ = ["FwdBwdRequest", "call_header", "decode_forward_backward_request", "encode_forward_backward_output",
            "encode_sample_response"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -293,6 +293,24 @@ def decode_forward_backward_request(body: bytes) -> FwdBwdRequest:
     # v2 carries everything v1 does (plus strings); old clients send only v1.
     merged: dict[str, float | str] = {**legacy, **config}
     return FwdBwdRequest(model_id, seq_id, data, loss_fn, merged or None, forward_only)
+
+
+def call_header(body: bytes) -> tuple[str | None, int | None]:
+    """The ``model_id`` and ``seq_id`` of a ``ForwardBackwardRequest`` body the full decoding refused,
+    where they can be read (None where not): a refused call still consumes its ``seq_id``."""
+    model_id: str | None = None
+    seq_id: int | None = None
+    try:
+        for number, wire, value in _fields(memoryview(body), "ForwardBackwardRequest"):
+            if number == 1 and wire == _LEN:
+                model_id = _text(value, "ForwardBackwardRequest.model_id")
+            elif number == 2 and wire == _VARINT:
+                seq_id = _signed(value)
+            if model_id is not None and seq_id is not None:
+                break
+    except InvalidRequest:
+        pass
+    return model_id, seq_id
 
 
 def _config_value(buf: memoryview | None, where: str) -> float | str:

@@ -7,6 +7,14 @@ Ids that are gone (a finished session, an unloaded model, a dropped
 sampling session) are remembered with the reason, bounded, so using one
 answers ``Gone`` saying why rather than "unknown".
 
+Model slots: at most ``max_models`` training models are alive. A creation
+that finds them all taken evicts the model of the session silent longest,
+if it has been silent (no heartbeat, no call) for ``evict_after_s``: the
+SDK beats every 10 s while its process lives, and scripts commonly exit
+without finishing their session. Otherwise the creation waits, first come
+first served, for a slot to free (an unload, a finished or silent session)
+and fails with ``LimitExceeded`` after ``evict_after_s``.
+
 Ownership: a session belongs to the API key that created it (a digest of
 it, never the key), and so do its models, sampling sessions and
 checkpoints (by the owner their metadata records). Another key's id
@@ -24,11 +32,12 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from rlengine.core.engine import Engine
 from rlengine.core.futures import RequestFuture
-from rlengine.errors import InvalidRequest
+from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api.config import TinkerServerConfig
 from rlengine.tinker_api.errors import Forbidden, Gone, LimitExceeded, NotSupported, UnknownResource
@@ -38,6 +47,7 @@ from rlengine.tinker_api.training import TrainingModel
 __all__ = ["Registry", "Session"]
 
 _GONE_KEPT = 100_000
+_MAX_WAITING = 64
 
 
 class Session:
@@ -68,24 +78,41 @@ class Registry:
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()
+        self._waiting: dict[str, tuple[TrainingModel, Callable[[], None], Callable[[BaseException], None]]] = {}
+        """Model creations waiting for a slot, by model id, oldest first."""
+        self._deadlines: dict[str, float] = {}
         """Ids of finished sessions, unloaded models and dropped sampling sessions -> why (bounded)."""
 
     # -- what this server serves -----------------------------------------------------------
 
-    def base_model_names(self) -> list[str]:
+    def _own_names(self) -> list[str]:
         cfg = self.engine.config
         names = [cfg.model, self.engine.model_name]
         if self.engine.model_path is not None:
             names.append(self.engine.model_path)
         return list(dict.fromkeys(names))
 
-    def check_base_model(self, field: str, name: str) -> None:
+    def base_model_names(self) -> list[str]:
+        """Every name of the served model: its own, then the configured aliases."""
+        return list(dict.fromkeys([*self._own_names(), *self.config.model_aliases]))
+
+    def _is_model_dir(self, name: str) -> bool:
         path = self.engine.model_path
-        if path is not None and os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(path):
+        return path is not None and os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(path)
+
+    def check_aliases(self) -> None:
+        """Each configured alias must stand for the served model."""
+        for alias, target in self.config.model_aliases.items():
+            if target not in self._own_names() and not self._is_model_dir(target):
+                raise ConfigurationError(f"model_aliases[{alias!r}]={target!r}: this server serves "
+                                         f"{self._own_names()}; an alias must name one of them")
+
+    def check_base_model(self, field: str, name: str) -> None:
+        if self._is_model_dir(name):
             return
         if name not in self.base_model_names():
             raise UnknownResource(field, name, f"this server serves {self.base_model_names()} "
-                                  "(a local model directory, or the engine's model name)")
+                                  "(a local model directory, the engine's model name, or an alias)")
 
     def check_trainable(self) -> None:
         # Before anything imports the trainers (and torch): the sim backend has no model to train.
@@ -119,6 +146,11 @@ class Registry:
     def finish(self, session: Session, why: str) -> None:
         self.sessions.pop(session.session_id, None)
         self._bury(session.session_id, why)
+        for model_id in [m for m, (model, _, _) in self._waiting.items() if model.session_id == session.session_id]:
+            _, _, fail = self._waiting.pop(model_id)
+            del self._deadlines[model_id]
+            fail(Gone("session_id", session.session_id, f"the session ended while its model waited for a slot: "
+                      f"{why}"))
         for model in [m for m in self.models.values() if m.session_id == session.session_id]:
             self.unload(model, f"its session {session.session_id} ended: {why}")
         for sid in [s for s, ss in self.samplers.items() if ss.session_id == session.session_id]:
@@ -142,18 +174,84 @@ class Registry:
 
     def new_model(self, owner: str, session: Session, model_seq_id: int, base_model: str, lora: Any,
                   user_metadata: dict[str, Any] | None) -> TrainingModel:
-        if len(self.models) >= self.config.max_models:
-            raise LimitExceeded("model_seq_id", model_seq_id, f"max_models={self.config.max_models} models are "
-                                "alive; unload one (or finish its session) first")
+        """The session's model ``model_seq_id``, holding no slot yet (``admit`` gives it one)."""
         model_id = f"{session.session_id}:train:{model_seq_id}"
-        if model_id in self.models or model_id in self._gone:
+        if model_id in self.models or model_id in self._gone or any(m.model_id == model_id for m, _, _ in
+                                                                    self._waiting.values()):
             raise InvalidRequest("model_seq_id", model_seq_id, f"already used in this session (model {model_id})")
-        model = TrainingModel(model_id, session.session_id, owner, base_model, lora, user_metadata)
-        self.models[model_id] = model
-        return model
+        return TrainingModel(model_id, session.session_id, owner, base_model, lora, user_metadata)
 
-    def unload(self, model: TrainingModel, why: str) -> RequestFuture[Any]:
-        """Close the model; its trainer is released after the calls already queued for it."""
+    @property
+    def waiting(self) -> int:
+        """Model creations waiting for a slot."""
+        return len(self._waiting)
+
+    def admit(self, model: TrainingModel, start: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        """Give ``model`` one of the ``max_models`` slots and ``start()`` its creation: now if one is free
+        or a silent session's model can be evicted (see the module docstring), else once one frees;
+        ``fail`` it with ``LimitExceeded`` if none does within ``evict_after_s``."""
+        cfg = self.config
+        self._admit_waiting()
+        if not self._waiting and self._make_room():
+            self._place(model, start, fail)
+            return
+        if len(self._waiting) >= _MAX_WAITING:
+            fail(LimitExceeded("model_id", model.model_id, f"{len(self._waiting)} model creations already "
+                               f"wait for one of max_models={cfg.max_models} slots"))
+            return
+        self._waiting[model.model_id] = (model, start, fail)
+        self._deadlines[model.model_id] = time.monotonic() + cfg.evict_after_s + cfg.sweep_interval_s
+
+    def sweep_waiting(self) -> None:
+        """Admit waiting creations as slots free; fail those whose wait is over (every slot busy)."""
+        self._admit_waiting()
+        now = time.monotonic()
+        cfg = self.config
+        for model_id in [m for m, deadline in self._deadlines.items() if deadline <= now]:
+            _, _, fail = self._waiting.pop(model_id)
+            del self._deadlines[model_id]
+            fail(LimitExceeded("model_id", model_id, f"max_models={cfg.max_models} models are alive and "
+                               f"their sessions active (none silent for evict_after_s={cfg.evict_after_s}); "
+                               "unload one (or finish its session) first"))
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self._make_room():
+            model_id, (model, start, fail) = next(iter(self._waiting.items()))
+            del self._waiting[model_id]
+            del self._deadlines[model_id]
+            self._place(model, start, fail)
+
+    def _place(self, model: TrainingModel, start: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        self.models[model.model_id] = model
+        try:
+            start()
+        except Exception as exc:  # noqa: BLE001 - reported to the creation's own future
+            model.failure = exc
+            fail(exc)
+
+    def _make_room(self) -> bool:
+        """Whether a slot is free, after evicting the model of the session silent longest if it has
+        been silent for ``evict_after_s`` (its client most likely exited without finishing it)."""
+        cfg = self.config
+        if len(self.models) < cfg.max_models:
+            return True
+        now = time.monotonic()
+
+        def silent(model: TrainingModel) -> float:
+            return now - self.sessions[model.session_id].last_seen
+
+        victim = max(self.models.values(), key=silent)
+        quiet = silent(victim)
+        if quiet < cfg.evict_after_s:
+            return False
+        self.unload(victim, f"evicted: max_models={cfg.max_models} models were alive, another needed a slot, "
+                            f"and its session had sent nothing for {quiet:.0f} s (evict_after_s={cfg.evict_after_s})",
+                    admit=False)
+        return True
+
+    def unload(self, model: TrainingModel, why: str, admit: bool = True) -> RequestFuture[Any]:
+        """Close the model; its trainer is released after the calls already queued for it, and its slot
+        goes to the first creation waiting for one (``admit``)."""
         model.close(Gone("model_id", model.model_id, why))
         self.models.pop(model.model_id, None)
         self._bury(model.model_id, why)
@@ -161,7 +259,11 @@ class Registry:
         for taken in model.named_snapshots:
             # Named snapshots stay usable from disk; their in-memory copies go with the model.
             taken.pop("state", None)
-        return self.engine.submit_blocking("unload_model", lambda: setattr(model, "trainer", None))
+        released = self.engine.submit_blocking("unload_model", lambda: setattr(model, "trainer", None))
+        if admit:
+            # Queued behind the release above in the engine's FIFO: the old trainer goes first.
+            self._admit_waiting()
+        return released
 
     # -- sampling sessions ----------------------------------------------------------------
 

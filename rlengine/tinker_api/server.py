@@ -63,7 +63,7 @@ from rlengine.tinker_api.errors import (
     error_body,
     http_status,
 )
-from rlengine.tinker_api.proto import FwdBwdRequest, decode_forward_backward_request
+from rlengine.tinker_api.proto import FwdBwdRequest, call_header, decode_forward_backward_request
 from rlengine.tinker_api.service import TinkerService
 
 __all__ = ["TinkerServer", "start", "start_async"]
@@ -219,6 +219,19 @@ class TinkerServer:
 
         return handle
 
+    def _train(self, kind: type, method: Callable[[str, Any], Any]) -> Callable[[web.Request], Awaitable[Any]]:
+        """``_call`` for a call on a training model: a refusal still consumes the call's ``seq_id``."""
+
+        async def handle(request: web.Request) -> web.Response:
+            raw = await self._body(request)
+            try:
+                return _json_response(method(request[_OWNER], self._decode(raw, kind)))
+            except Exception as exc:
+                self._svc.training.refused(request[_OWNER], *wire.call_header(raw), exc)
+                raise
+
+        return handle
+
     @property
     def _svc(self) -> TinkerService:
         assert self.service is not None
@@ -245,11 +258,11 @@ class TinkerServer:
             post(f"{p}/unload_model", self._call(wire.UnloadModelRequest, svc.unload_model)),
             post(f"{p}/forward_backward", self._forward_backward),
             post(f"{p}/forward", self._forward),
-            post(f"{p}/optim_step", self._call(wire.OptimStepRequest, svc.training.optim_step)),
-            post(f"{p}/save_weights", self._call(wire.SaveWeightsRequest, svc.training.save_weights)),
+            post(f"{p}/optim_step", self._train(wire.OptimStepRequest, svc.training.optim_step)),
+            post(f"{p}/save_weights", self._train(wire.SaveWeightsRequest, svc.training.save_weights)),
             post(f"{p}/save_weights_for_sampler",
-                 self._call(wire.SaveWeightsForSamplerRequest, svc.training.save_weights_for_sampler)),
-            post(f"{p}/load_weights", self._call(wire.LoadWeightsRequest, svc.training.load_weights)),
+                 self._train(wire.SaveWeightsForSamplerRequest, svc.training.save_weights_for_sampler)),
+            post(f"{p}/load_weights", self._train(wire.LoadWeightsRequest, svc.training.load_weights)),
             post(f"{p}/create_sampling_session",
                  self._call(wire.CreateSamplingSessionRequest, svc.sampling.create_sampling_session)),
             post(f"{p}/join_sampling_session",
@@ -291,9 +304,8 @@ class TinkerServer:
     async def _get_sampler(self, request: web.Request) -> web.Response:
         return _json_response(self._svc.sampling.get_sampler(request[_OWNER], request.match_info["sampler_id"]))
 
-    async def _fwdbwd_request(self, request: web.Request, forward_only: bool) -> FwdBwdRequest:
-        body = await self._body(request)
-        if "application/x-protobuf" in request.headers.get("Content-Type", ""):
+    async def _fwdbwd_request(self, body: bytes, proto: bool, forward_only: bool) -> FwdBwdRequest:
+        if proto:
             if len(body) > _THREAD_DECODE_BYTES:
                 decoded = await asyncio.to_thread(decode_forward_backward_request, body)
             else:
@@ -306,12 +318,21 @@ class TinkerServer:
                              req.forward_only or forward_only)
 
     async def _forward_backward(self, request: web.Request) -> web.Response:
-        decoded = await self._fwdbwd_request(request, forward_only=False)
-        return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
+        return await self._fwdbwd(request, forward_only=False)
 
     async def _forward(self, request: web.Request) -> web.Response:
-        decoded = await self._fwdbwd_request(request, forward_only=True)
-        return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
+        return await self._fwdbwd(request, forward_only=True)
+
+    async def _fwdbwd(self, request: web.Request, forward_only: bool) -> web.Response:
+        raw = await self._body(request)
+        proto = "application/x-protobuf" in request.headers.get("Content-Type", "")
+        try:
+            decoded = await self._fwdbwd_request(raw, proto, forward_only)
+            return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
+        except Exception as exc:
+            header = call_header(raw) if proto else wire.call_header(raw)
+            self._svc.training.refused(request[_OWNER], *header, exc)
+            raise
 
     async def _retrieve_future(self, request: web.Request) -> web.Response:
         body = self._decode(await self._body(request), wire.FutureRetrieveRequest)

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from rlengine.core.engine import Engine
+from rlengine.errors import InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api import wire
 from rlengine.tinker_api.config import TinkerServerConfig
@@ -67,6 +68,7 @@ class TinkerService:
         self.futures = FuturesTable(max_entries=config.max_futures, ttl_s=config.future_ttl_s)
         self.weights = SamplerWeights(engine, config.sampler_snapshots_kept, self._base_weights)
         self.registry = Registry(engine, config, self.root, self.weights)
+        self.registry.check_aliases()
         self.training = TrainingCalls(self.registry, self.futures)
         self.sampling = SamplingCalls(self.registry, self.futures)
         self.results = Results(self.registry, self.futures)
@@ -94,6 +96,7 @@ class TinkerService:
             for session in list(self.registry.sessions.values()):
                 if now - session.last_seen > self.config.session_ttl_s:
                     self.registry.finish(session, f"no heartbeat for session_ttl_s={self.config.session_ttl_s}")
+            self.registry.sweep_waiting()
             for model in list(self.registry.models.values()):
                 model.expire_held(self.config.hold_timeout_s)
         finally:
@@ -167,10 +170,10 @@ class TinkerService:
             return {"request_id": earlier}
         self.registry.check_trainable()
         self.registry.check_base_model("base_model", body.base_model)
-        if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
-            raise NotSupported("optimizer_config.type", body.optimizer_config.type, "rlengine trains with AdamW")
+        if body.optimizer_config is not None:
+            wire.check_optimizer("optimizer_config.type", body.optimizer_config.type)
         if body.lora_config is not None and (isinstance(body.lora_config.rank, bool) or body.lora_config.rank < 0):
-            raise NotSupported("lora_config.rank", body.lora_config.rank, "must be >= 0 (0: full fine-tuning)")
+            raise InvalidRequest("lora_config.rank", body.lora_config.rank, "must be >= 0 (0: full fine-tuning)")
         lora = self._lora_spec(body.lora_config)
         model = self.registry.new_model(owner, session, body.model_seq_id, body.base_model, lora, body.user_metadata)
         entry = self.futures.add("create", owner, render_json)
@@ -181,10 +184,13 @@ class TinkerService:
             model.trainer = trainer
             return {"model_id": model.model_id, "type": "create_model"}
 
-        inner = engine.submit_blocking("create_model", lambda: build_trainer(engine.config, engine.model_path, lora),
-                                       after=after)
-        inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
-        relay(inner, entry.future)
+        def start() -> None:
+            inner = engine.submit_blocking("create_model",
+                                           lambda: build_trainer(engine.config, engine.model_path, lora), after=after)
+            inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
+            relay(inner, entry.future)
+
+        self.registry.admit(model, start, entry.future.set_exception)
         return {"request_id": entry.request_id, "model_id": model.model_id}
 
     def get_info(self, owner: str, body: wire.GetInfoRequest) -> dict[str, Any]:

@@ -13,7 +13,9 @@ chunks of one ``forward_backward`` concurrently; ``TrainingModel.order``
 submits them to the engine strictly in ``seq_id`` order, holding early
 arrivals (bounded, and failed after ``hold_timeout_s`` if the gap never
 fills). A repeated ``seq_id`` (a retry whose first answer was lost) gets the
-first request's id back instead of running twice.
+first request's id back instead of running twice. A call refused before it
+was queued still takes its turn (``refuse``), or every later call of its
+model would wait for it until ``hold_timeout_s``.
 
 The trainer-kind helpers at the bottom take and merge snapshots of a
 model's trainable state for the sampler (an adapter for LoRA, all weights
@@ -62,6 +64,8 @@ class TrainingModel:
         """The in-memory state of snapshots also saved on disk (dropped when the model is unloaded)."""
         self._held: dict[int, tuple[float, Callable[[], None], Callable[[BaseException], None]]] = {}
         self._seen: OrderedDict[int, str] = OrderedDict()
+        self._refused: OrderedDict[int, BaseException] = OrderedDict()
+        """seq_id -> why a call was refused at submission (its retry is refused alike)."""
 
     @property
     def rank(self) -> int:
@@ -79,8 +83,14 @@ class TrainingModel:
     # -- call order ---------------------------------------------------------------------
 
     def seen(self, seq_id: int | None) -> str | None:
-        """The request id already given to ``seq_id`` (a retried call), if any."""
-        return None if seq_id is None else self._seen.get(seq_id)
+        """The request id already given to ``seq_id`` (a retried call), if any; a retried call that was
+        refused is refused again with the same error."""
+        if seq_id is None:
+            return None
+        refused = self._refused.get(seq_id)
+        if refused is not None:
+            raise refused
+        return self._seen.get(seq_id)
 
     def order(self, seq_id: int | None, request_id: str, start: Callable[[], None],
               fail: Callable[[BaseException], None]) -> None:
@@ -88,7 +98,7 @@ class TrainingModel:
         if self.closed:
             raise Gone("model_id", self.model_id, "the model was unloaded")
         seq = self.next_seq if seq_id is None else seq_id
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < self.next_seq or seq in self._held:
+        if not self._free(seq):
             raise InvalidRequest("seq_id", seq_id, f"already used for model {self.model_id} "
                                  f"(the next expected is {self.next_seq})")
         if seq != self.next_seq and len(self._held) >= _MAX_HELD:
@@ -96,15 +106,40 @@ class TrainingModel:
         self._seen[seq] = request_id
         while len(self._seen) > _SEEN_KEPT:
             self._seen.popitem(last=False)
+        self._take(seq, start, fail)
+
+    def refuse(self, seq_id: int | None, error: BaseException) -> None:
+        """A call refused before it was queued still takes its turn, as a call that does nothing: the
+        calls after it must not wait ``hold_timeout_s`` for it. A retry of it gets ``error`` again."""
+        if self.closed or seq_id is None or not self._free(seq_id):
+            return
+        self._refused[seq_id] = error
+        while len(self._refused) > _SEEN_KEPT:
+            self._refused.popitem(last=False)
+        self._take(seq_id, _nothing, _nothing)
+
+    def _free(self, seq: object) -> bool:
+        """Whether ``seq`` is a sequence number no call of this model has taken yet."""
+        return not isinstance(seq, bool) and isinstance(seq, int) and seq >= self.next_seq \
+            and seq not in self._held and seq not in self._seen and seq not in self._refused
+
+    def _take(self, seq: int, start: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
         if seq != self.next_seq:
             self._held[seq] = (time.monotonic(), start, fail)
             return
-        start()
+        # The turn is taken even if ``start`` raises (its caller reports that), and the calls it
+        # releases each report their own failure: nothing may stop the sequence.
         self.next_seq += 1
-        while self.next_seq in self._held:
-            _, held_start, _ = self._held.pop(self.next_seq)
-            held_start()
-            self.next_seq += 1
+        try:
+            start()
+        finally:
+            while self.next_seq in self._held:
+                _, held_start, held_fail = self._held.pop(self.next_seq)
+                self.next_seq += 1
+                try:
+                    held_start()
+                except Exception as exc:  # noqa: BLE001 - the held call's own failure, reported to it
+                    held_fail(exc)
 
     def expire_held(self, hold_timeout_s: float) -> None:
         """Fail calls that waited ``hold_timeout_s`` for a ``seq_id`` that never came, and move past the gap."""
@@ -127,6 +162,10 @@ class TrainingModel:
         held, self._held = list(self._held.values()), {}
         for _, _, fail in held:
             fail(reason)
+
+
+def _nothing(*_args: object) -> None:
+    """What a refused call runs when its turn comes."""
 
 
 # -- compute thread: trainers and snapshots ------------------------------------------------

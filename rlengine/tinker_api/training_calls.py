@@ -14,6 +14,10 @@ and may open a sampling session on it (``inflight``: the model's latest
 weights from then on); ``load_weights`` loads a checkpoint into a model, or
 creates a model from one.
 
+A call refused at submission (bad data, an unknown loss, a checkpoint
+name in use) still consumes its ``seq_id`` (``refused``): otherwise the
+model's next call would wait ``hold_timeout_s`` for it.
+
 Loop thread only; the closures handed to the engine run on the compute
 thread. The calls of sampling sessions live in ``sampling_calls``.
 """
@@ -30,7 +34,7 @@ from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api import wire
-from rlengine.tinker_api.errors import Gone, NotSupported
+from rlengine.tinker_api.errors import Gone, NotSupported, Overloaded
 from rlengine.tinker_api.futures import FuturesTable
 from rlengine.tinker_api.proto import FwdBwdRequest
 from rlengine.tinker_api.registry import Registry
@@ -76,10 +80,20 @@ class TrainingCalls:
             raise
         return {"request_id": entry.request_id, "model_id": model.model_id}
 
+    def refused(self, owner: str, model_id: str | None, seq_id: int | None, error: BaseException) -> None:
+        """A call on ``model_id`` was refused before it was queued (``error``): it still consumes its
+        ``seq_id``, so the model's later calls do not wait for it. Not for another key's model, nor for
+        a refusal the SDK retries (``Overloaded``: the retry takes the turn)."""
+        model = None if model_id is None else self.registry.models.get(model_id)
+        if model is None or model.owner != owner or isinstance(error, Overloaded):
+            return
+        model.refuse(seq_id, error)
+
     # -- training ---------------------------------------------------------------------------
 
     def forward_backward(self, owner: str, request: FwdBwdRequest) -> dict[str, Any]:
         model = self.registry.model(owner, request.model_id)
+        wire.check_loss_fn(request.loss_fn)
         backend = self.engine.backend
         thresholds = validate_data(request.data, request.loss_fn, request.loss_fn_config, backend.vocab_size,
                                    backend.max_model_len)
@@ -95,8 +109,9 @@ class TrainingCalls:
     def optim_step(self, owner: str, body: wire.OptimStepRequest) -> dict[str, Any]:
         model = self.registry.model(owner, body.model_id)
         if body.optimizer_params is not None:
-            raise NotSupported("optimizer_params", body.optimizer_params.get("type"),
-                               "rlengine's optimizer is AdamW (adam_params)")
+            family = body.optimizer_params.get("type")
+            wire.check_optimizer("optimizer_params.type", family)
+            raise InvalidRequest("optimizer_params.type", family, "an AdamW step carries adam_params")
         params = wire.adam_params(body.adam_params or body.optim_params or wire.AdamParamsWire())
         return self._train_call(owner, model, body.seq_id, "optim_step", lambda: model.require().optim_step(params),
                                 render_json, lambda r: {"metrics": r.metrics})
@@ -210,6 +225,8 @@ class TrainingCalls:
         if earlier is not None:
             return {"request_id": earlier}
         self.registry.check_trainable()
+        if body.optimizer_config is not None:
+            wire.check_optimizer("optimizer_config.type", body.optimizer_config.type)
         lora = None
         if meta.get("lora") is not None:
             from rlengine.trainer.lora import LoraSpec
@@ -230,7 +247,10 @@ class TrainingCalls:
             model.trainer = trainer
             return {**done, "model_id": model.model_id}
 
-        inner = engine.submit_blocking("create_model", run, after=after)
-        inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
-        relay(inner, entry.future)
+        def start() -> None:
+            inner = engine.submit_blocking("create_model", run, after=after)
+            inner.add_done_callback(lambda f: setattr(model, "failure", f.exception(0)))
+            relay(inner, entry.future)
+
+        self.registry.admit(model, start, entry.future.set_exception)
         return {"request_id": entry.request_id, "model_id": model.model_id}

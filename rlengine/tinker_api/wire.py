@@ -25,6 +25,7 @@ import numpy as np
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api.errors import NotSupported
 from rlengine.types import (
+    LOSS_FNS,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -40,8 +41,8 @@ __all__ = [
     "CreateSamplingSessionRequest", "CreateSessionRequest", "ForwardBackwardJsonRequest", "FutureRetrieveRequest",
     "FuturesRetrieveRequest", "GetInfoRequest", "JoinSamplingSessionRequest", "LoadWeightsRequest", "LoraConfigWire",
     "OptimStepRequest", "SampleRequest", "SaveWeightsForSamplerRequest", "SaveWeightsRequest",
-    "SessionHeartbeatRequest", "UnloadModelRequest", "adam_params", "datum", "forward_backward_json", "model_input",
-    "sample_response_json", "sampling_params",
+    "SessionHeartbeatRequest", "UnloadModelRequest", "adam_params", "call_header", "check_loss_fn", "check_optimizer",
+    "datum", "forward_backward_json", "model_input", "sample_response_json", "sampling_params",
 ]
 
 
@@ -249,6 +250,56 @@ class FuturesRetrieveRequest(_Body):
 
 class CancelFutureRequest(_Body):
     request_id: str
+
+
+class _CallHeader(msgspec.Struct):
+    """Any JSON object: what ``call_header`` reads of a body the full decoding refused."""
+
+    model_id: Any = None
+    seq_id: Any = None
+
+
+_header_decoder = msgspec.json.Decoder(_CallHeader)
+
+
+def call_header(body: bytes) -> tuple[str | None, int | None]:
+    """The ``model_id`` and ``seq_id`` of a training call's JSON body, where they can be read (None
+    where not): a refused call still consumes its ``seq_id``."""
+    try:
+        header = _header_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+    model_id = header.model_id if isinstance(header.model_id, str) else None
+    seq_id = header.seq_id if isinstance(header.seq_id, int) and not isinstance(header.seq_id, bool) else None
+    return model_id, seq_id
+
+
+# -- what the SDK has and rlengine does not serve ------------------------------------------------
+# A name the SDK (0.38) can send that rlengine knows but does not serve answers ``not_supported``;
+# a name neither knows stays ``invalid``.
+
+_LOSSES_NOT_SERVED = ("dro", "gspo", "stable_reinforce")
+_OPTIMIZERS_NOT_SERVED = ("dimuon",)
+
+
+def check_loss_fn(loss_fn: str) -> None:
+    """Refuse the SDK's losses rlengine lacks as ``NotSupported`` (unknown names are left to validation)."""
+    if loss_fn == "custom":
+        raise NotSupported("loss_fn", loss_fn, "server-side custom losses (create_custom_loss) are not served "
+                           "by rlengine; forward_backward_custom with a Python loss function runs in the client")
+    if loss_fn in _LOSSES_NOT_SERVED:
+        raise NotSupported("loss_fn", loss_fn, f"the Tinker loss {loss_fn!r} is not implemented by rlengine "
+                           f"(it serves {', '.join(LOSS_FNS)})")
+
+
+def check_optimizer(field: str, family: object) -> None:
+    """``family`` (an optimizer ``type``) must be AdamW: the SDK's other families are ``NotSupported``."""
+    if family == "adamw":
+        return
+    if family in _OPTIMIZERS_NOT_SERVED:
+        raise NotSupported(field, family, "rlengine trains with AdamW only")
+    raise InvalidRequest(field, family, f"unknown optimizer type (the Tinker SDK has adamw, "
+                         f"{', '.join(_OPTIMIZERS_NOT_SERVED)})")
 
 
 # -- wire -> rlengine ----------------------------------------------------------------------

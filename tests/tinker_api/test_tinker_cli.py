@@ -74,3 +74,8 @@ def test_bad_settings_exit_2():
                            "--no-auth"], capture_output=True, text=True, env=_env(), timeout=120, check=False)
     assert proc.returncode == 2
     assert "no_auth=True is for loopback only" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rlengine.tinker_api", "--port", "0",
+                           "--model-alias", "Qwen/Qwen3-8B"],
+                          capture_output=True, text=True, env=_env(), timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "--model-alias 'Qwen/Qwen3-8B': must be NAME=MODEL" in proc.stderr

@@ -15,6 +15,7 @@ import os
 import time
 
 import msgspec
+import numpy as np
 import pytest
 
 import rlengine as rle
@@ -42,11 +43,16 @@ def ckpt_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(engine, ckpt_dir):
+def server(engine, ckpt_dir):
     # no_auth: any key is accepted and is its caller's identity (KEY_A's sessions are not KEY_B's).
-    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2, no_auth=True))
-    yield server.url
-    server.close()
+    srv = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2, no_auth=True))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.url
 
 
 def call(base: str, path: str, body=None, *, key: str | None = KEY_A, raw: bytes | None = None,
@@ -168,6 +174,31 @@ def test_unserved_endpoints_answer_not_supported(url):
     healthy(url)
 
 
+def test_known_unserved_features_are_not_supported_and_unknown_names_invalid(url):
+    """The SDK's losses and optimizers rlengine lacks answer ``not_supported`` naming them; names the SDK
+    does not have either are ``invalid``, naming the field and the value."""
+    sid = session(url)
+    model_id = lora_model(url, sid)
+    for seq, loss in enumerate(("dro", "gspo", "stable_reinforce", "custom"), start=1):
+        body = error(call(url, "forward_backward", _ce_body(model_id, seq, loss_fn=loss)), 400, "not_supported")
+        assert (body["field"], body["value"]) == ("loss_fn", loss) and loss in body["message"]
+    body = error(call(url, "forward_backward", _ce_body(model_id, 5, loss_fn="ppo2")), 400, "invalid")
+    assert (body["field"], body["value"]) == ("loss_fn", "ppo2") and "cross_entropy" in body["message"]
+    for seq, (family, status, code) in enumerate((("dimuon", 400, "not_supported"), ("sgd", 400, "invalid")),
+                                                 start=6):
+        body = error(call(url, "optim_step", {"model_id": model_id, "seq_id": seq,
+                                              "optimizer_params": {"type": family}}), status, code)
+        assert (body["field"], body["value"]) == ("optimizer_params.type", family)
+        body = error(call(url, "create_model", {"session_id": sid, "model_seq_id": seq, "base_model": "tiny",
+                                                "optimizer_config": {"type": family}}), status, code)
+        assert (body["field"], body["value"]) == ("optimizer_config.type", family)
+    body = error(call(url, "create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny",
+                                            "lora_config": {"rank": -1}}), 400, "invalid")
+    assert (body["field"], body["value"]) == ("lora_config.rank", -1)
+    call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
+    healthy(url)
+
+
 def test_oversized_bodies_and_shared_secret(engine, ckpt_dir):
     small = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_body_bytes=4096, api_key="tml-secret"))
     try:
@@ -217,7 +248,7 @@ def test_a_loopback_server_draws_a_key_and_refuses_every_other(engine_config, ck
             open_server.close()
 
 
-def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
+def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(server, url):
     sid = session(url)
     model_id = lora_model(url, sid)
     fb = {"forward_backward_input": {"loss_fn": "cross_entropy", "data": [
@@ -237,16 +268,123 @@ def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(url):
     bad = {**fb, "seq_id": 3}
     bad["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"]["shape"] = [3]
     assert error(call(url, "forward_backward", bad), 400, "invalid")["field"].endswith(".shape")
-    # The model limit of this server (max_models=2) is a typed error, not a hang.
+    # At this server's limit (max_models=2, both sessions active) a new model waits for a slot; finishing
+    # a session frees one.
     other = session(url)
     lora_model(url, other)
-    body = error(call(url, "create_model", {"session_id": other, "model_seq_id": 1, "base_model": "tiny"}),
-                 400, "limit_exceeded")
-    assert "max_models=2" in body["message"]
+    third = call(url, "create_model", {"session_id": other, "model_seq_id": 1, "base_model": "tiny"})
+    assert third.status_code == 200 and server.service.registry.waiting == 1
+    assert third.json()["model_id"] not in server.service.registry.models
     call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
+    assert result(url, third.json()["request_id"])["model_id"] == third.json()["model_id"]
     call(url, f"sessions/{other}/finish", {"reason": {"type": "success"}})
-    assert error(call(url, "get_info", {"model_id": model_id}), 410, "gone")
+    assert "finished by its client" in error(call(url, "get_info", {"model_id": model_id}), 410, "gone")["message"]
     healthy(url)
+
+
+def test_a_full_server_evicts_only_models_of_silent_sessions(engine, ckpt_dir):
+    """With every slot taken, a new model waits; while the holder's session heartbeats it keeps its model
+    and the new one fails ``limit_exceeded`` once the wait is over; once it falls silent for
+    ``evict_after_s`` its model is evicted for the next."""
+    import threading
+
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A, max_models=1,
+                                              evict_after_s=3.0, sweep_interval_s=0.05))
+    try:
+        base = server.url
+        holder, newcomer = session(base), session(base)
+        held = lora_model(base, holder)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(0.1):
+                call(base, "session_heartbeat", {"session_id": holder})
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        try:
+            refused = call(base, "create_model", {"session_id": newcomer, "model_seq_id": 0, "base_model": "tiny"})
+            failed = result(base, refused.json()["request_id"])
+            assert failed["category"] == "user" and failed["error"].startswith("LimitExceeded")
+            assert "max_models=1" in failed["error"] and "evict_after_s=3.0" in failed["error"]
+            assert call(base, "get_info", {"model_id": held}).status_code == 200
+        finally:
+            stop.set()
+            beating.join()
+        evicting = call(base, "create_model", {"session_id": newcomer, "model_seq_id": 1, "base_model": "tiny"})
+        assert result(base, evicting.json()["request_id"])["model_id"] == evicting.json()["model_id"]
+        body = error(call(base, "get_info", {"model_id": held}), 410, "gone")
+        assert body["message"].startswith(f"model_id={held!r}: evicted: max_models=1")
+        # A creation still waiting when its session ends fails with the session.
+        late = session(base)
+        call(base, "session_heartbeat", {"session_id": newcomer})
+        waiting = call(base, "create_model", {"session_id": late, "model_seq_id": 0, "base_model": "tiny"})
+        call(base, f"sessions/{late}/finish", {"reason": {"type": "success"}})
+        assert result(base, waiting.json()["request_id"])["error"].startswith("Gone")
+        assert server.service.registry.waiting == 0
+    finally:
+        server.close()
+
+
+def _ce_body(model_id: str, seq_id: int, tokens: list[int] | None = None, loss_fn: str = "cross_entropy") -> dict:
+    tokens = tokens or [5, 9, 14, 20]
+    return {"forward_backward_input": {"loss_fn": loss_fn, "data": [
+        {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+         "loss_fn_inputs": {"target_tokens": {"data": [9] * len(tokens), "dtype": "int64", "shape": [len(tokens)]}}}]},
+        "model_id": model_id, "seq_id": seq_id}
+
+
+def _image_proto(model_id: str, seq_id: int) -> bytes:
+    tinker = pytest.importorskip("tinker")
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    T = tinker.types
+    chunks = [T.EncodedTextChunk(tokens=[5]), T.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=2)]
+    datum = T.Datum(model_input=T.ModelInput(chunks=chunks),
+                    loss_fn_inputs={"target_tokens": np.array([9, 9, 9], dtype=np.int64)})
+    request = T.ForwardBackwardRequest(forward_backward_input=T.ForwardBackwardInput(data=[datum],
+                                                                                     loss_fn="cross_entropy"),
+                                       model_id=model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_a_refused_call_still_takes_its_turn(server, url, engine):
+    """Each call refused at submission consumes its ``seq_id``: the model's next call runs at once instead
+    of waiting ``hold_timeout_s`` for it, and a retry of the refused call gets its refusal again."""
+    sid = session(url)
+    model_id = lora_model(url, sid)
+    model = server.service.registry.models[model_id]
+    context = engine.backend.max_model_len
+    saved = call(url, "save_weights_for_sampler", {"model_id": model_id, "path": "dup", "seq_id": 1})
+    assert result(url, saved.json()["request_id"])["path"].endswith("/sampler_weights/dup")
+    bad_dtype = _ce_body(model_id, 8)
+    bad_dtype["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"]["dtype"] = "int8"
+    refusals = [
+        ("forward_backward", _ce_body(model_id, 2, loss_fn="no_such_loss"), 400, "invalid", "loss_fn"),
+        ("forward_backward", _ce_body(model_id, 3, tokens=[5, 10**6]), 400, "invalid", "data[0].model_input"),
+        ("forward_backward", _ce_body(model_id, 4, tokens=[5] * (context + 1)), 400, "invalid",
+         "data[0].model_input.length"),
+        ("save_weights_for_sampler", {"model_id": model_id, "path": "dup", "seq_id": 5}, 400, "invalid", "path"),
+        ("optim_step", {"model_id": model_id, "seq_id": 6, "optimizer_params": {"type": "dimuon"}}, 400,
+         "not_supported", "optimizer_params.type"),
+        ("forward", _ce_body(model_id, 7, loss_fn="no_such_loss"), 400, "invalid", "loss_fn"),
+        ("forward_backward", bad_dtype, 400, "invalid",
+         "forward_backward_input.data[0].loss_fn_inputs['target_tokens'].dtype"),
+    ]
+    for path, body, status, code, field in refusals:
+        assert error(call(url, path, body), status, code)["field"] == field
+        assert model.next_seq == body["seq_id"] + 1, (path, field)
+    # The SDK's protobuf body, refused while decoding (an image chunk).
+    body = error(call(url, "forward_backward", raw=_image_proto(model_id, 9),
+                      headers={"Content-Type": "application/x-protobuf"}), 400, "not_supported")
+    assert body["field"] == "ForwardBackwardRequest.data[0].model_input[1]" and model.next_seq == 10
+    # A retry of a refused call (its answer lost) is refused again, not taken for a stale seq_id.
+    assert error(call(url, "forward_backward", _ce_body(model_id, 3, tokens=[5, 10**6])), 400,
+                 "invalid")["field"] == "data[0].model_input"
+    ok = call(url, "forward_backward", _ce_body(model_id, 10))
+    assert ok.status_code == 200 and model.next_seq == 11  # started, not held
+    assert result(url, ok.json()["request_id"])["metrics"]["loss:sum"] > 0
+    call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
 
 
 def test_cancel_and_try_again(engine, ckpt_dir):

@@ -171,6 +171,20 @@ def test_full_fine_tuning_at_rank_0_matches_the_in_process_api(served, engine_co
         _assert_same(sdk, _in_process_run(local))
 
 
+def test_a_refused_call_does_not_stall_the_next(served):
+    """Calls the server refuses (a token id past the vocabulary, a loss it lacks) raise in the SDK, and the
+    model's next call runs: the refused calls consumed their seq_ids."""
+    engine, _, client = served
+    training_client = client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result(WAIT)
+    vocab = engine.backend.vocab_size
+    bad = [_datum(True, [5, vocab], {"target_tokens": np.array([9, 9], dtype=np.int64)})]
+    with pytest.raises(tinker.BadRequestError, match=f"token id >= vocab size {vocab}"):
+        training_client.forward_backward(bad, "cross_entropy").result(WAIT)
+    with pytest.raises(tinker.BadRequestError, match="not_supported"):
+        training_client.forward_backward(_is_data(True), "dro").result(WAIT)
+    assert training_client.forward_backward(_ce_data(True), "cross_entropy").result(WAIT).metrics["loss:sum"] > 0
+
+
 def _sample(sampler, seed: int = 11) -> list[list[int]]:
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), 3,
                             types.SamplingParams(max_tokens=10, seed=seed)).result(WAIT)
@@ -280,3 +294,77 @@ def test_concurrent_old_and_new_samplers_each_get_their_own_weights(served):
         assert [s.tokens for s in future.result(WAIT).sequences] == want
     # Concurrent requests for the same weights share an install: at most one per request.
     assert installs < server.service.weights.installs <= installs + len(pending)
+
+
+def test_a_model_alias_serves_code_that_names_a_hub_model(served):
+    """``model_aliases`` maps a hub name to the served model: the SDK lists it, trains and samples by it."""
+    from rlengine.errors import ConfigurationError
+    from rlengine.tinker_api import TinkerServerConfig, start
+
+    engine, server, _ = served
+    hub = "Qwen/Qwen3-8B"
+    aliased = start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True,
+                                               model_aliases={hub: "tiny"}))
+    client = tinker.ServiceClient(base_url=aliased.url, api_key="tml-alias")
+    try:
+        capabilities = tinker.RestClient(base_url=aliased.url, api_key="tml-alias").get_server_capabilities()
+        names = [m.model_name for m in capabilities.result(WAIT).supported_models]
+        assert hub in names and "tiny" in names
+        training_client = client.create_lora_training_client(base_model=hub, rank=4, seed=1).result(WAIT)
+        assert training_client.get_info().model_data.model_name == hub
+        _step(training_client)
+        assert len(_sample(client.create_sampling_client(base_model=hub).result(WAIT))) == 3
+        with pytest.raises(tinker.NotFoundError, match="Qwen/Qwen3-4B"):
+            client.create_lora_training_client(base_model="Qwen/Qwen3-4B", rank=4).result(WAIT)
+    finally:
+        client.close("success").result(WAIT)
+        aliased.close()
+    with pytest.raises(ConfigurationError, match=r"model_aliases\['Qwen/Qwen3-8B'\]='Qwen/Qwen3-8B-local'"):
+        start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True,
+                                         model_aliases={hub: "Qwen/Qwen3-8B-local"}))
+
+
+# A recipe as the cookbook's are written: it trains, then exits without ServiceClient.close().
+_PROGRAM = """
+import sys
+import numpy as np
+import tinker
+client = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+training_client = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result(120)
+tokens = [5, 9, 14, 20, 33]
+datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)})
+training_client.forward_backward([datum], "cross_entropy").result(120)
+training_client.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(120)
+print(training_client.model_id)
+"""
+
+
+def test_back_to_back_programs_that_never_close_their_session_all_run(served, tmp_path):
+    """Five SDK programs in a row, none finishing its session, on a server with two model slots: each
+    new model takes the slot of a model whose session went silent, instead of being refused."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from rlengine.tinker_api import TinkerServerConfig, start
+
+    engine, server, _ = served
+    slots = start(engine, TinkerServerConfig(checkpoint_dir=server.service.root, no_auth=True, max_models=2,
+                                             evict_after_s=1.0, sweep_interval_s=0.1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
+    try:
+        model_ids = []
+        for run in range(5):
+            proc = subprocess.run([sys.executable, "-c", _PROGRAM, slots.url, "tml-recipe"], capture_output=True,
+                                  text=True, env=env, timeout=300, check=False)
+            assert proc.returncode == 0, f"program {run + 1}: {proc.stderr[-3000:]}"
+            model_ids.append(proc.stdout.split()[-1])
+        registry = slots.service.registry
+        assert set(registry.models) == set(model_ids[-2:]) and registry.waiting == 0
+        gone = httpx.post(f"{slots.url}/api/v1/get_info", json={"model_id": model_ids[0]},
+                          headers={"X-API-Key": "tml-recipe"}, timeout=30)
+        assert gone.status_code == 410 and "evicted" in gone.json()["error"]["message"]
+    finally:
+        slots.close()
