@@ -40,7 +40,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["BUILTIN", "Recipe", "SeededBatches", "load_recipe"]
+__all__ = ["BUILTIN", "DigitTasks", "EveryDigit", "Recipe", "SeededBatches", "TaskGroup", "load_recipe"]
 
 BUILTIN: dict[str, str] = {
     "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
@@ -95,6 +95,54 @@ class SeededBatches(RLDataset):
     @abc.abstractmethod
     def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
         """The builders of batch ``index``, drawn from ``rng`` only."""
+
+
+class TaskGroup(EnvGroupBuilder):
+    """``size`` attempts at one task: each attempt's environment is ``world.env(task, index)``
+    (``index``: the group's batch, -1 for evaluation); its ledger metadata is ``{key: task}``."""
+
+    def __init__(self, world: Any, key: str, task: Any, index: int, size: int) -> None:
+        self.world = world
+        self.key = key
+        self.task = task
+        self.index = index
+        self.size = size
+
+    async def make_envs(self) -> list[Any]:
+        return [self.world.env(self.task, self.index) for _ in range(self.size)]
+
+    def metadata(self) -> dict[str, Any]:
+        return {self.key: self.task}
+
+
+class DigitTasks(SeededBatches):
+    """``batches`` batches of ``groups`` tasks, each a random digit, as ``TaskGroup``s of ``world``."""
+
+    def __init__(self, world: Any, key: str, batches: int, groups: int, group_size: int, seed: int) -> None:
+        super().__init__(batches, seed)
+        self.world = world
+        self.key = key
+        self.groups = groups
+        self.group_size = group_size
+
+    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
+        return [TaskGroup(self.world, self.key, int(d), index, self.group_size) for d in rng.integers(0, 10, self.groups)]
+
+
+class EveryDigit(RLDataset):
+    """Evaluation: each of the ten digits once, one attempt each."""
+
+    def __init__(self, world: Any, key: str) -> None:
+        self.world = world
+        self.key = key
+
+    def __len__(self) -> int:
+        return 1
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if index != 0:
+            raise IndexError(f"batch {index} of 1")
+        return [TaskGroup(self.world, self.key, d, -1, 1) for d in range(10)]
 
 
 def load_recipe(name: str) -> Recipe:

@@ -22,21 +22,20 @@ and the run goes on (``min_surviving_attempts`` decides the group).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import msgspec
-import numpy as np
 
 from rlengine.backends.torch.models import prepare_char_model
 from rlengine.core.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig
-from rlengine.rl.recipes import Recipe, SeededBatches
+from rlengine.rl.recipes import DigitTasks, EveryDigit, Recipe
 from rlengine.rl.recipes.guess_sandbox import ALPHABET
 from rlengine.rl.sandbox import SandboxPool, SessionEnv
-from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
+from rlengine.rl.types import AgentEnv, RLDataset
 
 __all__ = ["RECIPE", "GuessGame", "GuessOptions"]
 
@@ -86,49 +85,6 @@ class _World:
         return SessionEnv(self.pool, self.sessions, task, {"group_secret": secret})
 
 
-class GuessGroup(EnvGroupBuilder):
-    def __init__(self, world: _World, secret: int, index: int, size: int) -> None:
-        self.world = world
-        self.secret = secret
-        self.index = index
-        self.size = size
-
-    async def make_envs(self) -> Sequence[AgentEnv]:
-        return [self.world.env(self.secret, self.index) for _ in range(self.size)]
-
-    def metadata(self) -> dict[str, Any]:
-        return {"secret": self.secret}
-
-
-class GuessDataset(SeededBatches):
-    """``batches`` batches of ``groups`` secrets."""
-
-    def __init__(self, world: _World, batches: int, groups: int, group_size: int, seed: int) -> None:
-        super().__init__(batches, seed)
-        self.world = world
-        self.groups = groups
-        self.group_size = group_size
-
-    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
-        secrets = rng.integers(0, 10, self.groups)
-        return [GuessGroup(self.world, int(s), index, self.group_size) for s in secrets]
-
-
-class EveryDigit(RLDataset):
-    """Evaluation: each of the ten secrets once."""
-
-    def __init__(self, world: _World) -> None:
-        self.world = world
-
-    def __len__(self) -> int:
-        return 1
-
-    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
-        if index != 0:
-            raise IndexError(f"batch {index} of 1")
-        return [GuessGroup(self.world, s, -1, 1) for s in range(10)]
-
-
 class GuessGame(Recipe):
     name = "guess"
     description = "guess a digit from '<' / '>' answers, multi-turn, each game in a sandbox process over IPC"
@@ -155,15 +111,15 @@ class GuessGame(Recipe):
     def datasets(self, config: TrainConfig, options: GuessOptions) -> tuple[RLDataset, RLDataset | None]:
         world = _World(options)
         batches = config.steps if config.steps is not None else 300
-        return (GuessDataset(world, batches, config.groups_per_batch, config.group_size, config.seed),
-                EveryDigit(world))
+        return (DigitTasks(world, "secret", batches, config.groups_per_batch, config.group_size, config.seed),
+                EveryDigit(world, "secret"))
 
     @contextlib.asynccontextmanager
     async def attach(self, engine: Engine, dataset: RLDataset, eval_dataset: RLDataset | None) -> AsyncIterator[None]:
         """The IPC server on the engine and the sandbox pool, for the run."""
         from rlengine.serve import ServeConfig, Server
 
-        assert isinstance(dataset, GuessDataset)
+        assert isinstance(dataset, DigitTasks)
         world = dataset.world
         options = world.options
         async with Server(engine, ServeConfig(http=False, max_in_flight=4096)) as server:

@@ -43,11 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import msgspec
-import numpy as np
 
 from rlengine.backends.torch.models import prepare_char_model
 from rlengine.core.config import EngineConfig
@@ -55,10 +54,10 @@ from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import HttpAgentEnv
 from rlengine.rl.config import TrainConfig
-from rlengine.rl.recipes import Recipe, SeededBatches
+from rlengine.rl.recipes import DigitTasks, EveryDigit, Recipe
 from rlengine.rl.recipes.tools_agent import ALPHABET, TOOL
 from rlengine.rl.sandbox import SandboxPool
-from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
+from rlengine.rl.types import AgentEnv, RLDataset
 from rlengine.tool_parsers import ParsedTurn, ToolCall, new_call_id, register
 
 __all__ = ["ALPHABET", "CHAT_TEMPLATE", "RECIPE", "MeterCalls", "ToolsOptions", "ToolsRecipe"]
@@ -152,48 +151,6 @@ class _World:
                             deadline_s=self.options.deadline_s)
 
 
-class MeterGroup(EnvGroupBuilder):
-    def __init__(self, world: _World, reading: int, index: int, size: int) -> None:
-        self.world = world
-        self.reading = reading
-        self.index = index
-        self.size = size
-
-    async def make_envs(self) -> Sequence[AgentEnv]:
-        return [self.world.env(self.reading, self.index) for _ in range(self.size)]
-
-    def metadata(self) -> dict[str, Any]:
-        return {"reading": self.reading}
-
-
-class MeterDataset(SeededBatches):
-    """``batches`` batches of ``groups`` readings."""
-
-    def __init__(self, world: _World, batches: int, groups: int, group_size: int, seed: int) -> None:
-        super().__init__(batches, seed)
-        self.world = world
-        self.groups = groups
-        self.group_size = group_size
-
-    def build(self, rng: np.random.Generator, index: int) -> list[EnvGroupBuilder]:
-        return [MeterGroup(self.world, int(r), index, self.group_size) for r in rng.integers(0, 10, self.groups)]
-
-
-class EveryReading(RLDataset):
-    """Evaluation: each of the ten readings once."""
-
-    def __init__(self, world: _World) -> None:
-        self.world = world
-
-    def __len__(self) -> int:
-        return 1
-
-    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
-        if index != 0:
-            raise IndexError(f"batch {index} of 1")
-        return [MeterGroup(self.world, r, -1, 1) for r in range(10)]
-
-
 class ToolsRecipe(Recipe):
     name = "tools"
     description = "an openai-client agent with tools=[read_meter] over HTTP, in sandboxes; the answer is the tool's"
@@ -222,15 +179,15 @@ class ToolsRecipe(Recipe):
     def datasets(self, config: TrainConfig, options: ToolsOptions) -> tuple[RLDataset, RLDataset | None]:
         world = _World(options)
         batches = config.steps if config.steps is not None else 120
-        return (MeterDataset(world, batches, config.groups_per_batch, config.group_size, config.seed),
-                EveryReading(world))
+        return (DigitTasks(world, "reading", batches, config.groups_per_batch, config.group_size, config.seed),
+                EveryDigit(world, "reading"))
 
     @contextlib.asynccontextmanager
     async def attach(self, engine: Engine, dataset: RLDataset, eval_dataset: RLDataset | None) -> AsyncIterator[None]:
         """The HTTP server on the engine (loopback, a drawn key) and the agents' sandbox pool."""
         from rlengine.serve import ServeConfig, Server
 
-        assert isinstance(dataset, MeterDataset)
+        assert isinstance(dataset, DigitTasks)
         world = dataset.world
         options = world.options
         async with Server(engine, ServeConfig(ipc=False, tool_parser=MeterCalls.name, max_in_flight=4096)) as server:
