@@ -56,24 +56,30 @@ def run_copy(path, cache: str, **settings) -> list[dict]:
     return read_jsonl(outcome.metrics_path)
 
 
-def test_copy_recipe_steps_and_time_to_target(benchmark, tmp_path, cache):
-    results = {}
+def to_target(steps: list[dict], target: float) -> dict:
+    """A run's figures: its first reward, the first step (and RL time) with mean reward >= target,
+    its last five steps' mean reward and its median seconds per step."""
+    hit = next((s for s in steps if s["reward_mean"] >= target), None)
+    return {"first_reward": steps[0]["reward_mean"],
+            f"step_to_{target}": hit["step"] if hit else None,
+            f"seconds_to_{target}": round(hit["time_s"], 1) if hit else None,
+            "final_reward_last5": round(statistics.mean(s["reward_mean"] for s in steps[-5:]), 3),
+            "seconds_per_step_median": round(statistics.median(s["step_time_s"] for s in steps), 3)}
 
-    def run_all() -> None:
-        for seed in SEEDS:
-            steps = run_copy(tmp_path / f"seed{seed}", cache, seed=seed)
-            hit = next((s for s in steps if s["reward_mean"] >= 0.9), None)
-            results[seed] = {"first_reward": steps[0]["reward_mean"],
-                             "step_to_0.9": hit["step"] if hit else None,
-                             "seconds_to_0.9": round(hit["time_s"], 1) if hit else None,
-                             "final_reward_last5": round(statistics.mean(s["reward_mean"] for s in steps[-5:]), 3),
-                             "seconds_per_step_median": round(statistics.median(s["step_time_s"] for s in steps), 3)}
 
-    benchmark.pedantic(run_all, rounds=1, iterations=1)
+def per_seed(benchmark, run) -> dict:
+    """``run(seed)`` for every seed of ``SEEDS``, once, under pytest-benchmark; the figures by seed."""
+    results: dict = {}
+    benchmark.pedantic(lambda: results.update({seed: run(seed) for seed in SEEDS}), rounds=1, iterations=1)
     benchmark.extra_info["per_seed"] = results
     print()
     for seed, r in results.items():
         print(f"seed {seed}: {r}")
+    return results
+
+
+def test_copy_recipe_steps_and_time_to_target(benchmark, tmp_path, cache):
+    results = per_seed(benchmark, lambda seed: to_target(run_copy(tmp_path / f"seed{seed}", cache, seed=seed), 0.9))
     assert all(r["first_reward"] < 0.2 for r in results.values())
 
 
@@ -161,28 +167,14 @@ def test_guess_recipe_through_sandboxes(benchmark, tmp_path, cache):
 
 
 def test_tools_recipe_steps_and_time_to_target(benchmark, tmp_path, cache):
-    results = {}
+    def run(seed: int) -> dict:
+        outcome = train("tools", {"cache_dir": cache, "checkpoint_every": "0", "eval_every": "0",
+                                  "seed": str(seed)}, run_dir=str(tmp_path / f"tools{seed}"))
+        assert outcome.error is None, outcome.error
+        steps = read_jsonl(outcome.metrics_path)
+        return {**to_target(steps, 0.8), "called_step10": round(steps[9]["env/called"], 2), "run_dir": outcome.run_dir}
 
-    def run_all() -> None:
-        for seed in SEEDS:
-            outcome = train("tools", {"cache_dir": cache, "checkpoint_every": "0", "eval_every": "0",
-                                      "seed": str(seed)}, run_dir=str(tmp_path / f"tools{seed}"))
-            assert outcome.error is None, outcome.error
-            steps = read_jsonl(outcome.metrics_path)
-            hit = next((s for s in steps if s["reward_mean"] >= 0.8), None)
-            results[seed] = {"first_reward": round(steps[0]["reward_mean"], 3),
-                             "step_to_0.8": hit["step"] if hit else None,
-                             "seconds_to_0.8": round(hit["time_s"], 1) if hit else None,
-                             "called_step10": round(steps[9]["env/called"], 2),
-                             "final_reward_last5": round(statistics.mean(s["reward_mean"] for s in steps[-5:]), 3),
-                             "seconds_per_step_median": round(statistics.median(s["step_time_s"] for s in steps), 3),
-                             "run_dir": outcome.run_dir}
-
-    benchmark.pedantic(run_all, rounds=1, iterations=1)
-    benchmark.extra_info["per_seed"] = results
-    print()
-    for seed, r in results.items():
-        print(f"seed {seed}: {r}")
+    results = per_seed(benchmark, run)
     assert all(r["first_reward"] < 0.2 for r in results.values())
 
 

@@ -47,7 +47,7 @@ import msgspec
 from rlengine.core.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import AgentProgram, HttpAgentEnv
-from rlengine.rl.config import TrainConfig
+from rlengine.rl.config import TrainConfig, check_integer, check_number
 from rlengine.rl.recipes import Recipe
 from rlengine.rl.sandbox import SandboxPool
 from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
@@ -95,11 +95,8 @@ class VerifiersOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     """Longest one episode may take in its sandbox (its session's deadline is 0.9 of it)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.sandboxes, bool) or not isinstance(self.sandboxes, int) or self.sandboxes < 1:
-            raise ConfigurationError(f"sandboxes={self.sandboxes!r}: must be an integer >= 1")
-        if isinstance(self.job_timeout_s, bool) or not isinstance(self.job_timeout_s, (int, float)) \
-                or not self.job_timeout_s > 0:
-            raise ConfigurationError(f"job_timeout_s={self.job_timeout_s!r}: must be > 0")
+        check_integer("sandboxes", self.sandboxes, minimum=1)
+        check_number("job_timeout_s", self.job_timeout_s, minimum=0.0, exclusive=True)
 
 
 class _World:

@@ -66,7 +66,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -74,7 +73,17 @@ from typing import Any
 import msgspec
 
 from rlengine.errors import ConfigurationError
-from rlengine.rl.sandbox import Branches, SandboxError, SandboxPool, not_dumpable, serve_job_lines, session_trajectory
+from rlengine.rl.config import check_number
+from rlengine.rl.sandbox import (
+    Branches,
+    SandboxError,
+    SandboxPool,
+    job_sampling,
+    not_dumpable,
+    result_metrics,
+    serve_job_lines,
+    session_trajectory,
+)
 from rlengine.rl.types import AgentEnv, Trajectory
 from rlengine.types import SamplingParams
 
@@ -83,21 +92,6 @@ __all__ = ["AgentProgram", "Branches", "HttpAgentEnv", "agent_main", "session_tr
 RewardFn = Callable[[Any, Any, dict[str, Any]], "float | Awaitable[float]"]
 """``reward_fn(trace, task, result)``: the episode's reward from its final ``SessionTrace``,
 its task and what the agent returned."""
-
-def _number(name: str, value: Any, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not value >= minimum:
-        raise ConfigurationError(f"{name}={value!r}: must be a number >= {minimum}")
-    return float(value)
-
-
-def _metrics(result: dict[str, Any]) -> dict[str, float]:
-    got = result.get("metrics")
-    if not isinstance(got, dict):
-        return {}
-    return {str(k): float(v) for k, v in got.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-
 
 class HttpAgentEnv(AgentEnv):
     """One episode of an HTTP agent in a sandbox; see the module docstring.
@@ -113,10 +107,12 @@ class HttpAgentEnv(AgentEnv):
                  scoring_s: float = 0.0) -> None:
         if branches not in ("all", "last"):
             raise ConfigurationError(f"branches={branches!r}: must be 'all' or 'last'")
-        self.scoring_s = _number("scoring_s", scoring_s)
+        check_number("scoring_s", scoring_s, minimum=0.0)
+        self.scoring_s = float(scoring_s)
         if deadline_s is None:  # what the sandbox's bound leaves, with a margin of a tenth of it
             deadline_s = 0.9 * pool.job_timeout_s - self.scoring_s
-        self.deadline_s = _number("deadline_s", deadline_s)
+        check_number("deadline_s", deadline_s, minimum=0.0)
+        self.deadline_s = float(deadline_s)
         if not pool.job_timeout_s > self.deadline_s + self.scoring_s:
             raise ConfigurationError(f"job_timeout_s={pool.job_timeout_s!r}: a sandbox's bound on an episode must "
                                      f"exceed deadline_s + scoring_s = {self.deadline_s + self.scoring_s}")
@@ -152,8 +148,7 @@ class HttpAgentEnv(AgentEnv):
                 "reward_url": f"{root}/sessions/{sid}/v1/reward",
                 "api_key": session.token, "model": self.server.model_name, "task": self.task, "seed": seed, "max_turns": max_turns,
                 "deadline_s": self.deadline_s, "scoring_s": self.scoring_s,
-                "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                             "max_tokens": params.max_tokens}})
+                "sampling": job_sampling(params)})
         except SandboxError as exc:
             if cut and exc.kind != "crash":  # the agent failed once its deadline cut it off
                 raise SandboxError(f"deadline_s={self.deadline_s} passed: {exc}", "timeout") from None
@@ -168,7 +163,7 @@ class HttpAgentEnv(AgentEnv):
             raise SandboxError(f"session {sid}: a client went away mid-turn, after it may have read tokens the "
                                "trace lacks", "http")
         reward = await self._reward(trace, result)
-        trajectory = session_trajectory(trace, reward, _metrics(result), self.branches)
+        trajectory = session_trajectory(trace, reward, result_metrics(result), self.branches)
         return msgspec.structs.replace(trajectory, metadata={"session": sid, "branches": len(trace.trajectories)})
 
     async def _reward(self, trace: Any, result: dict[str, Any]) -> float:

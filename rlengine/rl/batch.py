@@ -129,9 +129,6 @@ class StepBatch:
         self.consumed += 1
         self.rewards += verdict.rewards
         self.counts["attempts_failed"] += verdict.failed
-        for t in group.trajectories:
-            if t.failure is not None:
-                self.counts[f"attempts_failed_{t.failure.kind}"] += 1
         for tag in group.tags:
             self.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
         for t in group.trajectories:
@@ -141,6 +138,7 @@ class StepBatch:
                         self.env_metrics.setdefault(key, []).append(float(value))
         failures = [{"attempt": i, **_failure_record(t.failure), "metadata": t.metadata}
                     for i, t in enumerate(group.trajectories) if t.failure is not None]
+        self.counts.update(f"attempts_failed_{f['kind']}" for f in failures)
         entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
         if failures:
             entry["failures"] = failures

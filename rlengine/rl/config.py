@@ -18,7 +18,7 @@ import msgspec
 
 from rlengine.errors import ConfigurationError
 
-__all__ = ["RESUME_MUTABLE", "TrainConfig", "convert", "parse_overrides"]
+__all__ = ["RESUME_MUTABLE", "TrainConfig", "check_integer", "check_number", "convert", "parse_overrides"]
 
 
 class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -122,16 +122,16 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     order, with the same datums and ``AdamParams``. Settings and recipe come from its ``meta.json``."""
 
     def __post_init__(self) -> None:
-        _integer("seed", self.seed, minimum=None)
+        check_integer("seed", self.seed, minimum=None)
         if self.steps is not None:
-            _integer("steps", self.steps, minimum=1)
+            check_integer("steps", self.steps, minimum=1)
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
-            _integer(name, getattr(self, name), minimum=1)
+            check_integer(name, getattr(self, name), minimum=1)
         for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts"):
-            _integer(name, getattr(self, name), minimum=0)
+            check_integer(name, getattr(self, name), minimum=0)
         if self.workers is not None:
-            _integer("workers", self.workers, minimum=1)
+            check_integer("workers", self.workers, minimum=1)
         if isinstance(self.max_failure_share, bool) or not isinstance(self.max_failure_share, (int, float)) \
                 or not 0 < self.max_failure_share <= 1:
             raise ConfigurationError(f"max_failure_share={self.max_failure_share!r}: must be in (0, 1]")
@@ -145,20 +145,20 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             raise ConfigurationError(f"num_minibatches={self.num_minibatches}: must divide "
                                      f"groups_per_batch={self.groups_per_batch}")
         for name in ("temperature", "eval_temperature", "entropy_coef", "weight_decay", "grad_clip_norm"):
-            _number(name, getattr(self, name), minimum=0.0)
+            check_number(name, getattr(self, name), minimum=0.0)
         for name in ("learning_rate", "eps", "episode_timeout_s", "call_timeout_s", "shutdown_grace_s"):
-            _number(name, getattr(self, name), minimum=0.0, exclusive=True)
+            check_number(name, getattr(self, name), minimum=0.0, exclusive=True)
         for name in ("clip_low_threshold", "clip_high_threshold", "kl_coef"):
             if getattr(self, name) is not None:
-                _number(name, getattr(self, name), minimum=0.0)
+                check_number(name, getattr(self, name), minimum=0.0)
         if self.kl_estimator not in (1, 2, 3) or isinstance(self.kl_estimator, bool):
             raise ConfigurationError(f"kl_estimator={self.kl_estimator!r}: must be 1, 2 or 3 (k1, k2, k3)")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
-            _number(name, v, minimum=0.0)
+            check_number(name, v, minimum=0.0)
             if v >= 1.0:
                 raise ConfigurationError(f"{name}={v!r}: must be in [0, 1)")
-        _number("target_reward", self.target_reward, minimum=None)
+        check_number("target_reward", self.target_reward, minimum=None)
         if self.rollout_only and self.train_from is not None:
             raise ConfigurationError(f"rollout_only={self.rollout_only!r}: train_from={self.train_from!r} trains "
                                      "without sampling; rollout_only samples without training")
@@ -192,13 +192,16 @@ RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_che
 """Settings a resumed run may change: they do not change what is sampled or trained."""
 
 
-def _integer(name: str, value: object, minimum: int | None) -> None:
+def check_integer(name: str, value: object, minimum: int | None) -> None:
+    """A ``ConfigurationError`` naming ``name`` unless ``value`` is an integer (>= ``minimum``)."""
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
         bound = "" if minimum is None else f" >= {minimum}"
         raise ConfigurationError(f"{name}={value!r}: must be an integer{bound}")
 
 
-def _number(name: str, value: object, minimum: float | None, exclusive: bool = False) -> None:
+def check_number(name: str, value: object, minimum: float | None, exclusive: bool = False) -> None:
+    """A ``ConfigurationError`` naming ``name`` unless ``value`` is a finite number (>= ``minimum``,
+    or > with ``exclusive``)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     if ok and minimum is not None:
         ok = value > minimum if exclusive else value >= minimum

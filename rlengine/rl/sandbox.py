@@ -60,6 +60,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import shutil
 import socket
@@ -79,8 +80,8 @@ from rlengine.types import ModelInput, SampledSequence, SamplingParams
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["Branches", "SandboxError", "SandboxPool", "SessionEnv", "failure_kind", "not_dumpable", "serve_job_lines",
-           "session_trajectory", "worker_main"]
+__all__ = ["Branches", "SandboxError", "SandboxPool", "SessionEnv", "failure_kind", "job_sampling", "not_dumpable",
+           "result_metrics", "serve_job_lines", "session_trajectory", "worker_main"]
 
 Branches = Literal["all", "last"]
 """Which branches of a session an episode trains (``rlengine.rl.agents`` says how)."""
@@ -451,6 +452,21 @@ def session_trajectory(trace: Any, reward: float, metrics: dict[str, float] | No
     return Trajectory(transitions=transitions)
 
 
+def job_sampling(params: SamplingParams) -> dict[str, Any]:
+    """How a job line tells the agent to sample (``job["sampling"]``)."""
+    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_tokens": params.max_tokens}
+
+
+def result_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers among an answer's ``metrics`` (what goes into the logs as ``env/<name>``)."""
+    got = result.get("metrics")
+    if not isinstance(got, dict):
+        return {}
+    return {str(k): float(v) for k, v in got.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 class SessionEnv(AgentEnv):
     """One episode in a sandbox worker, traced through an engine session; see the module docstring.
 
@@ -478,18 +494,14 @@ class SessionEnv(AgentEnv):
         session = self.sessions.open()
         sid = session.session_id
         try:
-            result = await self.pool.run({
-                "session": sid, "token": session.token, "task": self.task, "seed": seed, "max_turns": max_turns,
-                "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                             "max_tokens": params.max_tokens}})
+            result = await self.pool.run({"session": sid, "token": session.token, "task": self.task, "seed": seed,
+                                          "max_turns": max_turns, "sampling": job_sampling(params)})
         finally:
             trace = self.sessions.collect(sid)
         reward = None if trace.latest is None else trace.rewards[trace.latest]
         if reward is None:
             raise SandboxError(f"session {sid}: the agent sent no reward for its last turn")
-        metrics = {k: float(v) for k, v in result.get("metrics", {}).items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        trajectory = session_trajectory(trace, reward, metrics, self.branches)
+        trajectory = session_trajectory(trace, reward, result_metrics(result), self.branches)
         return msgspec.structs.replace(trajectory, metadata={"session": sid, "branches": len(trace.trajectories)})
 
 

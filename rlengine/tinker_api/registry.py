@@ -33,7 +33,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlengine.core.engine import Engine
 from rlengine.core.futures import RequestFuture
@@ -48,6 +48,15 @@ __all__ = ["Registry", "Session"]
 
 _GONE_KEPT = 100_000
 _MAX_WAITING = 64
+
+
+class _Waiting(NamedTuple):
+    """A model creation waiting for a slot: how to start or fail it, and until when it waits."""
+
+    model: TrainingModel
+    start: Callable[[], None]
+    fail: Callable[[BaseException], None]
+    deadline: float
 
 
 class Session:
@@ -78,10 +87,9 @@ class Registry:
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()
-        self._waiting: dict[str, tuple[TrainingModel, Callable[[], None], Callable[[BaseException], None]]] = {}
-        """Model creations waiting for a slot, by model id, oldest first."""
-        self._deadlines: dict[str, float] = {}
         """Ids of finished sessions, unloaded models and dropped sampling sessions -> why (bounded)."""
+        self._waiting: dict[str, _Waiting] = {}
+        """Model creations waiting for a slot, by model id, oldest first."""
 
     # -- what this server serves -----------------------------------------------------------
 
@@ -146,11 +154,9 @@ class Registry:
     def finish(self, session: Session, why: str) -> None:
         self.sessions.pop(session.session_id, None)
         self._bury(session.session_id, why)
-        for model_id in [m for m, (model, _, _) in self._waiting.items() if model.session_id == session.session_id]:
-            _, _, fail = self._waiting.pop(model_id)
-            del self._deadlines[model_id]
-            fail(Gone("session_id", session.session_id, f"the session ended while its model waited for a slot: "
-                      f"{why}"))
+        for model_id in [m for m, w in self._waiting.items() if w.model.session_id == session.session_id]:
+            self._waiting.pop(model_id).fail(Gone("session_id", session.session_id,
+                                                  f"the session ended while its model waited for a slot: {why}"))
         for model in [m for m in self.models.values() if m.session_id == session.session_id]:
             self.unload(model, f"its session {session.session_id} ended: {why}")
         for sid in [s for s, ss in self.samplers.items() if ss.session_id == session.session_id]:
@@ -176,8 +182,7 @@ class Registry:
                   user_metadata: dict[str, Any] | None) -> TrainingModel:
         """The session's model ``model_seq_id``, holding no slot yet (``admit`` gives it one)."""
         model_id = f"{session.session_id}:train:{model_seq_id}"
-        if model_id in self.models or model_id in self._gone or any(m.model_id == model_id for m, _, _ in
-                                                                    self._waiting.values()):
+        if model_id in self.models or model_id in self._gone or model_id in self._waiting:
             raise InvalidRequest("model_seq_id", model_seq_id, f"already used in this session (model {model_id})")
         return TrainingModel(model_id, session.session_id, owner, base_model, lora, user_metadata)
 
@@ -199,27 +204,23 @@ class Registry:
             fail(LimitExceeded("model_id", model.model_id, f"{len(self._waiting)} model creations already "
                                f"wait for one of max_models={cfg.max_models} slots"))
             return
-        self._waiting[model.model_id] = (model, start, fail)
-        self._deadlines[model.model_id] = time.monotonic() + cfg.evict_after_s + cfg.sweep_interval_s
+        self._waiting[model.model_id] = _Waiting(model, start, fail,
+                                                 time.monotonic() + cfg.evict_after_s + cfg.sweep_interval_s)
 
     def sweep_waiting(self) -> None:
         """Admit waiting creations as slots free; fail those whose wait is over (every slot busy)."""
         self._admit_waiting()
         now = time.monotonic()
         cfg = self.config
-        for model_id in [m for m, deadline in self._deadlines.items() if deadline <= now]:
-            _, _, fail = self._waiting.pop(model_id)
-            del self._deadlines[model_id]
-            fail(LimitExceeded("model_id", model_id, f"max_models={cfg.max_models} models are alive and "
-                               f"their sessions active (none silent for evict_after_s={cfg.evict_after_s}); "
-                               "unload one (or finish its session) first"))
+        for model_id in [m for m, w in self._waiting.items() if w.deadline <= now]:
+            self._waiting.pop(model_id).fail(LimitExceeded(
+                "model_id", model_id, f"max_models={cfg.max_models} models are alive and their sessions active "
+                f"(none silent for evict_after_s={cfg.evict_after_s}); unload one (or finish its session) first"))
 
     def _admit_waiting(self) -> None:
         while self._waiting and self._make_room():
-            model_id, (model, start, fail) = next(iter(self._waiting.items()))
-            del self._waiting[model_id]
-            del self._deadlines[model_id]
-            self._place(model, start, fail)
+            waiting = self._waiting.pop(next(iter(self._waiting)))
+            self._place(waiting.model, waiting.start, waiting.fail)
 
     def _place(self, model: TrainingModel, start: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
         self.models[model.model_id] = model

@@ -45,8 +45,8 @@ class SimTrainer:
         self.vocab_size = cfg.vocab_size
         self.max_len = cfg.max_model_len
         self.theta = cfg.initial_weights().astype(np.float64)
-        self.reference = self.theta.copy()
-        """The initial weights: the reference policy of a KL penalty (never trained)."""
+        self.reference_logp = self._log_softmax()
+        """Log-softmax of the initial weights: the reference policy of a KL penalty (never trained)."""
         self.grad = np.zeros_like(self.theta)
         self.exp_avg = np.zeros_like(self.theta)
         self.exp_avg_sq = np.zeros_like(self.theta)
@@ -62,8 +62,6 @@ class SimTrainer:
         logp_all = self._log_softmax()
         probs = np.exp(logp_all)
         entropy = float(-(probs * logp_all).sum())
-        ref_all = self.reference - self.reference.max()
-        ref_all = ref_all - math.log(np.exp(ref_all).sum())
         total = 0.0
         entropy_total = kl_total = 0.0
         outputs = []
@@ -76,7 +74,7 @@ class SimTrainer:
             total += float(loss.sum())
             if settings.kl_coef is not None:
                 mask = inputs["mask"] if "mask" in inputs else np.ones(len(targets))
-                kl, dkl = reference_kl(logp, ref_all[targets], settings.kl_estimator)
+                kl, dkl = reference_kl(logp, self.reference_logp[targets], settings.kl_estimator)
                 kl_total += float((mask * kl).sum())
                 dlogp = dlogp + settings.kl_coef * mask * dkl
             if backward:

@@ -31,7 +31,7 @@ from rlengine.backends.torch.models import prepare_char_model
 from rlengine.core.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
-from rlengine.rl.config import TrainConfig
+from rlengine.rl.config import TrainConfig, check_integer, check_number
 from rlengine.rl.recipes import DigitTasks, EveryDigit, Recipe
 from rlengine.rl.recipes.guess_sandbox import ALPHABET
 from rlengine.rl.sandbox import SandboxPool, SessionEnv
@@ -54,15 +54,10 @@ class GuessOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     (not drawn from the seed: an agent's varying latency, which reorders the engine's batches)."""
 
     def __post_init__(self) -> None:
-        for name, low in (("sandboxes", 1), ("crash_every", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigurationError(f"{name}={v!r}: must be an integer >= {low}")
-        if isinstance(self.job_timeout_s, bool) or not isinstance(self.job_timeout_s, (int, float)) \
-                or not self.job_timeout_s > 0:
-            raise ConfigurationError(f"job_timeout_s={self.job_timeout_s!r}: must be > 0")
-        if isinstance(self.think_s, bool) or not isinstance(self.think_s, (int, float)) or not self.think_s >= 0:
-            raise ConfigurationError(f"think_s={self.think_s!r}: must be >= 0")
+        check_integer("sandboxes", self.sandboxes, minimum=1)
+        check_integer("crash_every", self.crash_every, minimum=0)
+        check_number("job_timeout_s", self.job_timeout_s, minimum=0.0, exclusive=True)
+        check_number("think_s", self.think_s, minimum=0.0)
 
 
 class _World:

@@ -53,7 +53,7 @@ from rlengine.core.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import HttpAgentEnv
-from rlengine.rl.config import TrainConfig
+from rlengine.rl.config import TrainConfig, check_integer, check_number
 from rlengine.rl.recipes import DigitTasks, EveryDigit, Recipe
 from rlengine.rl.recipes.tools_agent import ALPHABET, TOOL
 from rlengine.rl.sandbox import SandboxPool
@@ -120,14 +120,11 @@ class ToolsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Fault injection: every n-th episode's agent exits mid-game (0: never)."""
 
     def __post_init__(self) -> None:
-        for name, low in (("sandboxes", 1), ("crash_every", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigurationError(f"{name}={v!r}: must be an integer >= {low}")
-        for name in ("job_timeout_s", "deadline_s"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise ConfigurationError(f"{name}={v!r}: must be > 0")
+        check_integer("sandboxes", self.sandboxes, minimum=1)
+        check_integer("crash_every", self.crash_every, minimum=0)
+        check_number("job_timeout_s", self.job_timeout_s, minimum=0.0, exclusive=True)
+        if self.deadline_s is not None:
+            check_number("deadline_s", self.deadline_s, minimum=0.0, exclusive=True)
 
 
 class _World:
@@ -190,15 +187,14 @@ class ToolsRecipe(Recipe):
         assert isinstance(dataset, DigitTasks)
         world = dataset.world
         options = world.options
-        async with Server(engine, ServeConfig(ipc=False, tool_parser=MeterCalls.name, max_in_flight=4096)) as server:
-            pool = SandboxPool(AGENT_MODULE, options.sandboxes, job_timeout_s=options.job_timeout_s)
+        async with Server(engine, ServeConfig(ipc=False, tool_parser=MeterCalls.name, max_in_flight=4096)) as server, \
+                SandboxPool(AGENT_MODULE, options.sandboxes, job_timeout_s=options.job_timeout_s) as pool:
+            await pool.start(None)
+            world.pool, world.server = pool, server
             try:
-                await pool.start(None)
-                world.pool, world.server = pool, server
                 yield
             finally:
                 world.pool = None
-                await pool.aclose()
 
 
 RECIPE = ToolsRecipe()

@@ -47,6 +47,15 @@ def reward(called: bool, answer: str | None, reading: str) -> float:
     return 0.8 * (answer == reading) + 0.2 * (called and answer is not None)
 
 
+def _seed(job: dict[str, Any], turn: int) -> int:
+    """The sampling seed of a turn, derived from the episode's."""
+    return (int(job["seed"]) * 1_000_003 + turn) % (1 << 63)
+
+
+def _metrics(calls: int, answer: str | None, reading: str) -> dict[str, float]:
+    return {"called": float(calls > 0), "correct": float(answer == reading), "tool_calls": float(calls)}
+
+
 async def play(job: dict[str, Any]) -> dict[str, Any]:
     global _http
     if job["task"].get("client") == "aiohttp":
@@ -65,8 +74,7 @@ async def play(job: dict[str, Any]) -> dict[str, Any]:
     for turn in range(int(job["max_turns"])):
         reply = await client.chat.completions.create(
             model=job["model"], messages=messages, tools=TOOLS, max_tokens=sampling["max_tokens"],  # type: ignore[arg-type]
-            temperature=sampling["temperature"], top_p=sampling["top_p"],
-            seed=(int(job["seed"]) * 1_000_003 + turn) % (1 << 63))
+            temperature=sampling["temperature"], top_p=sampling["top_p"], seed=_seed(job, turn))
         message = reply.choices[0].message
         if job["task"].get("crash"):
             os._exit(3)  # fault injection (the recipe's crash_every): the sandbox dies mid-episode
@@ -77,8 +85,7 @@ async def play(job: dict[str, Any]) -> dict[str, Any]:
         messages.append({"role": "assistant", "content": message.content,
                          "tool_calls": [c.model_dump() for c in message.tool_calls]})
         messages += [{"role": "tool", "tool_call_id": c.id, "content": reading} for c in message.tool_calls]
-    return {"reward": reward(calls > 0, answer, reading),
-            "metrics": {"called": float(calls > 0), "correct": float(answer == reading), "tool_calls": float(calls)}}
+    return {"reward": reward(calls > 0, answer, reading), "metrics": _metrics(calls, answer, reading)}
 
 
 _session: Any = None
@@ -101,7 +108,7 @@ async def _play_bare(job: dict[str, Any]) -> dict[str, Any]:
     for turn in range(int(job["max_turns"])):
         body = {"model": job["model"], "messages": messages, "tools": TOOLS, "max_tokens": sampling["max_tokens"],
                 "temperature": sampling["temperature"], "top_p": sampling["top_p"],
-                "seed": (int(job["seed"]) * 1_000_003 + turn) % (1 << 63)}
+                "seed": _seed(job, turn)}
         async with _session.post(f"{job['base_url']}/chat/completions", json=body, headers=headers) as response:
             response.raise_for_status()
             message = (await response.json())["choices"][0]["message"]
@@ -111,12 +118,14 @@ async def _play_bare(job: dict[str, Any]) -> dict[str, Any]:
         calls += len(message["tool_calls"])
         messages.append({"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]})
         messages += [{"role": "tool", "tool_call_id": c["id"], "content": reading} for c in message["tool_calls"]]
-    return {"reward": reward(calls > 0, answer, reading),
-            "metrics": {"called": float(calls > 0), "correct": float(answer == reading), "tool_calls": float(calls)}}
+    return {"reward": reward(calls > 0, answer, reading), "metrics": _metrics(calls, answer, reading)}
 
 
 def _ids(text: str) -> list[int]:
     return [ALPHABET.index(c) + 1 for c in text]
+
+
+_END = ALPHABET.index("$") + 1
 
 
 async def play_ipc(client: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -132,10 +141,10 @@ async def play_ipc(client: Any, job: dict[str, Any]) -> dict[str, Any]:
     for turn in range(int(job["max_turns"])):
         reply = await session.generate(tokens, max_tokens=sampling["max_tokens"], temperature=sampling["temperature"],
                                        top_p=sampling["top_p"], top_k=sampling["top_k"],
-                                       seed=(int(job["seed"]) * 1_000_003 + turn) % (1 << 63))
+                                       seed=_seed(job, turn))
         got = reply.choices[0].tokens
         tokens.extend(got)
-        text = "".join(ALPHABET[t - 1] for t in got if t != _ids("$")[0])
+        text = "".join(ALPHABET[t - 1] for t in got if t != _END)
         if text != "@":
             answer = text
             break
@@ -143,7 +152,7 @@ async def play_ipc(client: Any, job: dict[str, Any]) -> dict[str, Any]:
         tokens.extend(_ids(f"$={reading}$A"))
     await session.reward(reward(calls > 0, answer, reading))
     await session.close()
-    return {"metrics": {"called": float(calls > 0), "correct": float(answer == reading), "tool_calls": float(calls)}}
+    return {"metrics": _metrics(calls, answer, reading)}
 
 
 if __name__ == "__main__":
