@@ -234,3 +234,68 @@ def test_http_vs_ipc_agent_episode_overhead(record, cache):
                 "rounds_ms": {k: [round(1000 * x, 2) for x in v] for k, v in times.items()}}
 
     record(lambda: asyncio.run(main()))
+
+
+CORRECTIONS = {"none": {}, "tis": {"tis_cap": 2.0}, "mis": {"mis_cap": 2.0},
+               "icepop": {"icepop_low": 0.5, "icepop_high": 2.0}, "geo_mask": {"geo_mask_low": 0.5, "geo_mask_high": 2.0},
+               "zero_mismatch": {"logprobs_source": "trainer"}}
+
+
+def test_offpolicy_correction_cost_per_step(record, tmp_path, cache):
+    """The copy recipe for 40 steps with each correction and with the zero-mismatch mode, rounds
+    alternating (3 each): medians over steps 2-40 of seconds per step and of training seconds per
+    step (the recompute forward pass is training time), and each against ``none`` in the same run."""
+    def rounds() -> dict:
+        step_s: dict[str, list[float]] = {k: [] for k in CORRECTIONS}
+        train_s: dict[str, list[float]] = {k: [] for k in CORRECTIONS}
+        for r in range(ROUNDS):
+            for name, settings in CORRECTIONS.items():
+                steps = run_copy(tmp_path / f"r{r}-{name}", cache, steps=STEPS, eval_every=0, **settings)[1:]
+                step_s[name].append(statistics.median(s["step_time_s"] for s in steps))
+                train_s[name].append(statistics.median(s["train_time_s"] for s in steps))
+        out: dict = {}
+        base_step, base_train = statistics.median(step_s["none"]), statistics.median(train_s["none"])
+        for name in CORRECTIONS:
+            step, train_ = statistics.median(step_s[name]), statistics.median(train_s[name])
+            out[name] = {"step_s": round(step, 4), "train_s": round(train_, 4),
+                         "step_ratio_vs_none": round(step / base_step, 3),
+                         "train_ratio_vs_none": round(train_ / base_train, 3),
+                         "rounds_step_s": [round(x, 4) for x in step_s[name]]}
+        return out
+
+    record(rounds)
+
+
+def test_mismatch_metrics_cost_per_step(record):
+    """The mismatch metrics of one copy step (256 sequences of 6 sampled tokens: KL k1/k2/k3,
+    log-ppl difference, ratios, per-token staleness), timed in process: median of 200 calls."""
+    import time
+
+    import numpy as np
+
+    from rlengine.rl.mismatch import mismatch_metrics, token_staleness
+
+    rng = np.random.default_rng(0)
+    pairs = [(rng.normal(-1, 0.5, 6), rng.normal(-1, 0.5, 6)) for _ in range(256)]
+    versions = [np.r_[np.full(4, -1), np.full(6, 3)] for _ in range(256)]
+
+    def rounds() -> dict:
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            mismatch_metrics(pairs)
+            token_staleness(versions, 4)
+            times.append(time.perf_counter() - t0)
+        return {"metrics_ms_per_step": round(1e3 * statistics.median(times), 3)}
+
+    record(rounds)
+
+
+def test_copy_time_to_target_with_tis_on_and_off(benchmark, tmp_path, cache):
+    """The copy recipe's defaults per seed, TIS off (as shipped) and on (``tis_cap=2``): step and RL
+    time to a mean reward of 0.9; off and on alternate per seed."""
+    def run(seed: int) -> dict:
+        return {name: to_target(run_copy(tmp_path / f"seed{seed}-{name}", cache, seed=seed, **settings), 0.9)
+                for name, settings in (("off", {}), ("tis", {"tis_cap": 2.0}))}
+
+    per_seed(benchmark, run)

@@ -30,10 +30,13 @@ from msgspec.structs import force_setattr
 from rlengine.errors import InvalidRequest
 
 __all__ = [
+    "LOGPROBS_MODES",
     "AdamParams",
     "Datum",
     "ForwardBackwardOutput",
     "LoadWeightsResponse",
+    "LogprobTransform",
+    "LogprobsMode",
     "LossFnType",
     "ModelInput",
     "OptimStepResponse",
@@ -51,6 +54,8 @@ __all__ = [
 ]
 
 StopReason = Literal["length", "stop", "abort"]
+LogprobsMode = Literal["raw", "processed"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw", "processed")
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 
@@ -188,6 +193,16 @@ class SamplingParams(_Public):
     the masked distribution, the one the constrained sampler drew from. The
     backend compiles it; one it cannot compile fails that request with
     ``InvalidRequest`` naming ``sampling_params.constraint``."""
+    logprobs_mode: LogprobsMode | None = None
+    """Which logprob is recorded for each sampled token (not in Tinker): ``raw``, the
+    ``log_softmax`` of the model's logits (what a trainer's plain forward computes), or
+    ``processed``, the logprob under the distribution actually sampled: logits divided by
+    ``temperature``, then ``top_k``, then ``top_p``, renormalised (vLLM's
+    ``processed_logprobs``). None: the engine's own (``EngineConfig.logprobs_mode``). A greedy
+    request (temperature 0), or one at temperature 1 without top-k or top-p, records raw
+    logprobs in either mode (``logprob_transform`` None). A trainer computes the same
+    transform from a datum's ``temperature`` / ``top_k`` / ``top_p`` inputs
+    (``rlengine.trainer.losses``), so the importance ratio is 1 on-policy at any temperature."""
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -210,6 +225,8 @@ class SamplingParams(_Public):
         k = self.top_logprobs
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", k, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequest("logprobs_mode", self.logprobs_mode, "must be 'raw', 'processed' or None")
         c = self.constraint
         if c is not None:
             if not isinstance(c, str) or not c.startswith("{"):
@@ -236,6 +253,16 @@ class SamplingParams(_Public):
         force_setattr(self, "stop", list(stop))
 
     @property
+    def logprob_transform(self) -> LogprobTransform | None:
+        """The transform its processed logprobs are under; None when they are raw (mode
+        ``raw``, unset, a greedy request, or temperature 1 with no top-k or top-p: the
+        model's own distribution)."""
+        if self.logprobs_mode != "processed" or self.temperature == 0.0 or (
+                self.temperature == 1.0 and self.top_k == -1 and self.top_p == 1.0):
+            return None
+        return LogprobTransform(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p))
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -246,6 +273,16 @@ class SamplingParams(_Public):
         if self.stop is None:
             return ()
         return tuple(x for x in self.stop if isinstance(x, int))
+
+
+class LogprobTransform(_Public):
+    """The sampling transform a processed logprob is under: ``log_softmax`` of the logits
+    divided by ``temperature``, kept to the ``top_k`` most likely tokens (-1: all) and then to
+    the nucleus of mass ``top_p``, renormalised."""
+
+    temperature: float
+    top_k: int = -1
+    top_p: float = 1.0
 
 
 class SampledSequence(_Public):
@@ -263,6 +300,9 @@ class SampledSequence(_Public):
     """With ``SamplingParams.top_logprobs`` k > 0: k token ids per token (int32), most likely first."""
     top_logprobs_raw: bytes = b""
     """Their logprobs (float32), aligned with ``top_ids_raw``."""
+    logprobs_transform: LogprobTransform | None = None
+    """Which logprobs ``logprobs_raw`` holds: None, raw ones (``log_softmax`` of the logits);
+    otherwise processed ones, under this transform (``SamplingParams.logprobs_mode``)."""
 
     # No __post_init__ check: the engine builds these (one per finished
     # sequence, on the hot path) with equal lengths by construction, and

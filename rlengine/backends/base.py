@@ -39,6 +39,8 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     """``SamplingParams.constraint`` (constrained decoding) is honoured."""
     top_logprobs: int = 0
     """The most ``SamplingParams.top_logprobs`` it reports (0: none)."""
+    logprobs_modes: tuple[str, ...] = ("raw",)
+    """The ``SamplingParams.logprobs_mode`` values it records; the first is its default."""
     weight_install: bool = True
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""

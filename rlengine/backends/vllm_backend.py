@@ -3,8 +3,10 @@
 A thin adapter, because the backend protocol is shaped after ``LLMEngine``:
 token ids in (``TokensPrompt``), token ids out, one vLLM request per
 sequence (the engine fans ``num_samples`` out with a seed each), the logprob
-of every sampled token (vLLM's default ``raw_logprobs``: log-softmax of the
-unscaled logits, which is what a trainer forward pass computes), prompt
+of every sampled token (``EngineConfig.logprobs_mode``: vLLM's ``raw_logprobs``,
+log-softmax of the unscaled logits, which is what a trainer forward pass
+computes, or ``processed_logprobs``, after temperature, top-k and top-p; one
+mode per engine, so a request for the other is refused), prompt
 logprobs, stop strings and ids, abort. Non-streaming requests use
 ``FINAL_ONLY`` so the engine does no per-token work for them. A
 ``constraint`` (an xgrammar structural tag) goes to vLLM's own structured
@@ -71,7 +73,7 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def __init__(self, engine: Any, on_cuda: bool) -> None:
+    def __init__(self, engine: Any, on_cuda: bool, logprobs_mode: str = "raw") -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
@@ -89,7 +91,7 @@ class VLLMBackend:
             else "vLLM was built without enable_sleep_mode=True")
         self.capabilities = Capabilities(sleep=sleep_ok, prompt_logprobs=True, stop_strings=True,
                                          constraints=True, top_logprobs=MAX_TOP_LOGPROBS, weight_install=True,
-                                         why_not_sleep=why)
+                                         why_not_sleep=why, logprobs_modes=(logprobs_mode,))
         self._top: dict[str, int] = {}
         """Request id -> how many alternatives per token it asked for (only those that did)."""
         model_config = engine.model_config
@@ -257,10 +259,16 @@ def build(config: Any, model_path: str | None) -> VLLMBackend:
         args["enable_sleep_mode"] = True
     else:
         args["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
+    if "logprobs_mode" in config.engine_args:
+        raise ConfigurationError(f"engine_args['logprobs_mode']={config.engine_args['logprobs_mode']!r}: set "
+                                 "EngineConfig.logprobs_mode ('raw' or 'processed') instead")
+    # vLLM records one logprob mode per engine (``processed_logprobs``: after temperature,
+    # top-k and top-p, as the torch backend's ``processed``).
+    args["logprobs_mode"] = f"{getattr(config, 'logprobs_mode', 'raw')}_logprobs"
     args.update(config.engine_args)
     try:
         with _quiet_vllm():
             engine = LLMEngine.from_engine_args(EngineArgs(**args))
     except TypeError as exc:
         raise ConfigurationError(f"engine_args={dict(config.engine_args)!r}: not accepted by vLLM ({exc})") from exc
-    return VLLMBackend(engine, on_cuda)
+    return VLLMBackend(engine, on_cuda, getattr(config, "logprobs_mode", "raw"))

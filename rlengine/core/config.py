@@ -126,11 +126,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     parameters is its own cached model. Only for ``model="tiny"``."""
     engine_args: dict[str, object] = msgspec.field(default_factory=dict)
     """Passed through to the model backend (e.g. vLLM's ``tensor_parallel_size``)."""
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    """The logprob recorded for a sampled token when the request does not say
+    (``SamplingParams.logprobs_mode``): ``raw`` or ``processed`` (after temperature, top-k and
+    top-p). vLLM records one mode per engine: this one, and a request asking for the other is
+    refused."""
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "sim", "torch", "vllm", "scripted"):
             raise ConfigurationError(f"backend={self.backend!r}: must be auto, sim, torch, vllm or scripted")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ConfigurationError(f"logprobs_mode={self.logprobs_mode!r}: must be 'raw' or 'processed'")
         if self.drain_policy not in ("wait", "pause"):
             raise ConfigurationError(f"drain_policy={self.drain_policy!r}: must be 'wait' or 'pause'")
         _positive("drain_timeout_s", self.drain_timeout_s)

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from rlengine.backends import SPECS, Backend, load, resolve_backend
@@ -41,7 +42,14 @@ from rlengine.core.futures import RequestFuture
 from rlengine.core.records import Entry, OnTokens, SampleSpec, new_blocking, new_lease, new_sample
 from rlengine.core.sampler import SamplerLoop
 from rlengine.core.scheduler import Lease, Scheduler
-from rlengine.errors import ContextLengthExceeded, EngineClosed, EngineDeadError, InvalidRequest, RLEngineError
+from rlengine.errors import (
+    ConfigurationError,
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineDeadError,
+    InvalidRequest,
+    RLEngineError,
+)
 from rlengine.types import ModelInput, SampleResponse, SamplingParams, UnloadModelResponse, int32_bytes
 
 if TYPE_CHECKING:
@@ -183,9 +191,13 @@ class Engine:
         spec = SPECS[self._spec_name]
         if spec.prepare is not None:
             self.model_path = load(spec.prepare)(self.config)
-        if self._given_backend is not None:
-            return self._given_backend
-        return load(spec.backend)(self.config, self.model_path)
+        backend = self._given_backend or load(spec.backend)(self.config, self.model_path)
+        if self.config.logprobs_mode not in backend.capabilities.logprobs_modes:
+            if backend is not self._given_backend:
+                backend.close()
+            raise ConfigurationError(f"logprobs_mode={self.config.logprobs_mode!r}: backend {backend.name} records "
+                                     f"{' or '.join(backend.capabilities.logprobs_modes)} logprobs")
+        return backend
 
     def get_trainer(self) -> Any:
         """The trainer, created on first use (call it on the compute thread: from a
@@ -422,6 +434,13 @@ class Engine:
         if params.constraint is not None and not self.backend.capabilities.constraints:
             raise InvalidRequest("sampling_params.constraint", params.constraint[:60],
                                  f"backend {self.backend.name} has no constrained decoding")
+        modes = self.backend.capabilities.logprobs_modes
+        if params.logprobs_mode is None:
+            if modes[0] != "raw":  # None means raw downstream
+                params = msgspec.structs.replace(params, logprobs_mode=modes[0])
+        elif params.logprobs_mode not in modes:
+            raise InvalidRequest("sampling_params.logprobs_mode", params.logprobs_mode,
+                                 f"backend {self.backend.name} records {' or '.join(modes)} logprobs")
         return SampleSpec(raw, num_samples, params, bool(include_prompt_logprobs))
 
     def submit_sample(self, spec: SampleSpec, *, version: int | None = None, session_id: str | None = None,

@@ -29,7 +29,7 @@ import msgspec
 
 from rlengine.core.futures import RequestFuture
 from rlengine.core.scheduler import Lease
-from rlengine.types import SampledSequence, SampleResponse, SamplingParams
+from rlengine.types import LogprobTransform, SampledSequence, SampleResponse, SamplingParams
 
 __all__ = ["BlockingWork", "Entry", "LeaseRequest", "OnTokens", "SampleRequest", "SampleSpec", "Sequence",
            "new_blocking", "new_lease", "new_sample"]
@@ -177,15 +177,18 @@ class Sequence(msgspec.Struct, gc=False):
         ends = [start for start, _ in self.spans[1:]] + [len(self.tokens)]
         return b"".join(_I32.pack(v) * (end - start) for (start, v), end in zip(self.spans, ends))
 
-    def to_sequence(self) -> SampledSequence:
+    def to_sequence(self, transform: LogprobTransform | None = None) -> SampledSequence:
+        """Its ``SampledSequence``; ``transform``: what its logprobs are under (None: raw)."""
         stop_reason = self.stop_reason or "abort"
         if self.tokens is None:
             return SampledSequence(stop_reason=stop_reason)
         assert self.logprobs is not None
         if self.top_ids is None:
             return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
-                                   logprobs_raw=self.logprobs.tobytes(), versions_raw=self._versions_raw())
+                                   logprobs_raw=self.logprobs.tobytes(), versions_raw=self._versions_raw(),
+                                   logprobs_transform=transform)
         assert self.top_logprobs is not None
         return SampledSequence(stop_reason=stop_reason, tokens_raw=self.tokens.tobytes(),
                                logprobs_raw=self.logprobs.tobytes(), versions_raw=self._versions_raw(),
-                               top_ids_raw=self.top_ids.tobytes(), top_logprobs_raw=self.top_logprobs.tobytes())
+                               top_ids_raw=self.top_ids.tobytes(), top_logprobs_raw=self.top_logprobs.tobytes(),
+                               logprobs_transform=transform)

@@ -331,7 +331,8 @@ class SamplerLoop:
 
     def _complete(self, request: SampleRequest, aborted: bool, settled: list[Outcome] | None = None) -> None:
         """Settle ``request`` with its sequences; into ``settled`` when given (a step's batch)."""
-        response = SampleResponse(sequences=tuple([s.to_sequence() for s in request.seqs or ()]),
+        transform = request.spec.params.logprob_transform
+        response = SampleResponse(sequences=tuple([s.to_sequence(transform) for s in request.seqs or ()]),
                                   request_id=request.request_id, prompt_logprobs_raw=request.prompt_logprobs_raw)
         # Break the request <-> sequence cycle: both are untracked Structs, which the
         # cyclic collector never frees (it would keep every request alive).

@@ -11,7 +11,9 @@
   ``importance_sampling`` / ``ppo`` / ``cispo`` losses: input tokens, next-token
   targets, the sampler's logprobs, the advantage on every sampled token
   (zero on observation tokens) and, with an entropy bonus, a ``mask`` of
-  sampled tokens (the bonus's weights); beside each datum, its mask and the
+  sampled tokens (the bonus's weights), and, where an action's logprobs are
+  processed, the ``temperature`` / ``top_k`` / ``top_p`` each of its tokens
+  was sampled under (so the trainer computes the same transform); beside each datum, its mask and the
   engine policy version of each sampled target token. Consecutive turns whose observation extends the previous
   context token for token share one datum; a turn that does not (the
   environment rewrote the context) starts a new one.
@@ -27,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rlengine.rl.types import Trajectory, TrajectoryGroup
-from rlengine.types import Datum, ModelInput
+from rlengine.types import Datum, LogprobTransform, ModelInput
 
 __all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "trajectory_datums"]
 
@@ -87,21 +89,36 @@ class SampledDatum(NamedTuple):
 class _Segment:
     """One datum under construction: tokens, and per token whether it was sampled (and by which version)."""
 
-    __slots__ = ("logprobs", "sampled", "tokens", "versions")
+    __slots__ = ("logprobs", "sampled", "tokens", "transforms", "versions")
 
     def __init__(self, prompt: np.ndarray) -> None:
         self.tokens = [prompt]
         self.sampled = [np.zeros(prompt.shape[0], dtype=bool)]
         self.logprobs = [np.zeros(prompt.shape[0], dtype=np.float32)]
         self.versions = [np.full(prompt.shape[0], -1, dtype=np.int64)]
+        self.transforms: list[LogprobTransform | None] = [None]
 
     def extend(self, tokens: np.ndarray, sampled: bool, logprobs: np.ndarray | None = None,
-               versions: np.ndarray | None = None) -> None:
+               versions: np.ndarray | None = None, transform: LogprobTransform | None = None) -> None:
         self.tokens.append(tokens)
         self.sampled.append(np.full(tokens.shape[0], sampled))
         self.logprobs.append(logprobs if logprobs is not None else np.zeros(tokens.shape[0], dtype=np.float32))
         self.versions.append(versions.astype(np.int64) if versions is not None
                              else np.full(tokens.shape[0], -1, dtype=np.int64))
+        self.transforms.append(transform)
+
+    def transform_inputs(self) -> dict[str, np.ndarray]:
+        """``temperature`` / ``top_k`` / ``top_p`` per token (next-token aligned) when some action's
+        logprobs are processed (``SampledSequence.logprobs_transform``); empty when all are raw."""
+        if all(t is None for t in self.transforms):
+            return {}
+        columns: dict[str, list[np.ndarray]] = {"temperature": [], "top_k": [], "top_p": []}
+        for tokens, t in zip(self.tokens, self.transforms):
+            n = tokens.shape[0]
+            columns["temperature"].append(np.full(n, 1.0 if t is None else t.temperature, np.float32))
+            columns["top_k"].append(np.full(n, 0.0 if t is None or t.top_k == -1 else t.top_k, np.float32))
+            columns["top_p"].append(np.full(n, 1.0 if t is None else t.top_p, np.float32))
+        return {key: np.concatenate(parts)[1:] for key, parts in columns.items()}
 
     def context(self) -> np.ndarray:
         return np.concatenate(self.tokens)
@@ -118,6 +135,7 @@ class _Segment:
                   "advantages": (mask * advantage).astype(np.float32)}
         if with_mask:
             inputs["mask"] = mask
+        inputs |= self.transform_inputs()
         return SampledDatum(Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs), mask,
                             np.concatenate(self.versions)[1:])
 
@@ -141,7 +159,7 @@ def trajectory_datums(trajectory: Trajectory, advantage: float, *, with_mask: bo
             current = _Segment(prompt)
             segments.append(current)
         current.extend(t.action.tokens_array(), sampled=True, logprobs=t.action.logprobs_array(),
-                       versions=t.action.versions_array())
+                       versions=t.action.versions_array(), transform=t.action.logprobs_transform)
     out = []
     for segment in segments:
         datum = segment.datum(advantage, with_mask)

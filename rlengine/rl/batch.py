@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RolloutResult", "StepBatch", "WorkItem"]
 
+_FORWARD_INPUTS = ("target_tokens", "temperature", "top_k", "top_p")
+"""What a recompute ``forward`` (``cross_entropy``) takes of a datum."""
+
 
 class WorkItem(NamedTuple):
     index: int
@@ -101,6 +104,9 @@ class StepBatch:
         self.ledger: list[dict[str, Any]] = []
         self.env_metrics: dict[str, list[float]] = {}
         self.tag_rewards: dict[str, list[float]] = {}
+        self._parts: list[list[int]] | None = None
+        self.recomputed: dict[str, float] = {}
+        """The recompute pass's sampler-vs-trainer mismatch (``apply_recompute``)."""
 
     def intake(self, result: RolloutResult) -> WorkItem | None:
         """One group into the step: stale filter, failures and survivors, advantages, datums.
@@ -204,26 +210,74 @@ class StepBatch:
             self._forward_backward(list(range(first, len(self.datums))))
         self.pending_datums, self.pending_keys, self.pending_groups = [], [], 0
 
+    def plan(self) -> list[list[int]]:
+        """Fix the step's datums and how they split into ``forward_backward`` calls (not
+        streaming): in group order, then one call over all of them, or with ``num_substeps``
+        K > 1 the datums shuffled (seeded by the step) into K parts. Returns the parts."""
+        if self._parts is None:
+            cfg = self.cfg
+            self._in_group_order()
+            self.datums, self.keys = self.datums + self.pending_datums, self.keys + self.pending_keys
+            self.pending_datums, self.pending_keys, self.pending_groups = [], [], 0
+            if cfg.num_substeps == 1:
+                self._parts = [list(range(len(self.datums)))] if self.datums else []
+            else:
+                order = np.random.default_rng([cfg.seed, self.step]).permutation(len(self.datums))
+                self._parts = [order[k::cfg.num_substeps].tolist()
+                               for k in range(min(cfg.num_substeps, len(self.datums)))]
+        return self._parts
+
+    def recompute_calls(self) -> list[tuple[list[Datum], list[int]]]:
+        """The ``forward`` calls of the recompute pass (``TrainConfig.recomputes``): per planned
+        part, its datums reduced to what a ``cross_entropy`` forward takes (targets and sampling
+        transform), so the trainer computes each target's logprob exactly as its
+        ``forward_backward`` of the same part will."""
+        calls = []
+        for idx in self.plan():
+            data = [Datum(model_input=self.datums[i].model_input,
+                          loss_fn_inputs={k: v for k, v in self.datums[i].loss_fn_inputs.items()
+                                          if k in _FORWARD_INPUTS}) for i in idx]
+            calls.append((data, idx))
+        return calls
+
+    def apply_recompute(self, outputs: list[tuple[Any, list[int]]]) -> None:
+        """The recompute pass's logprobs into the datums: as ``old_logprobs`` (the proximal policy
+        of the corrections) and, with ``logprobs_source="trainer"``, as ``logprobs`` too; the
+        sampler-vs-trainer mismatch they replace goes to ``recomputed_*``."""
+        pairs = []
+        for out, idx in outputs:
+            for record, i in zip(out.loss_fn_outputs, idx):
+                mask = self.masks[i] > 0
+                datum = self.datums[i]
+                trainer = np.where(mask, record["logprobs"].to_numpy(), 0.0).astype(np.float32)
+                pairs.append((datum.loss_fn_inputs["logprobs"].to_numpy()[mask], trainer[mask]))
+                inputs = dict(datum.loss_fn_inputs)
+                inputs["old_logprobs"] = TensorData.from_numpy(trainer)
+                if self.cfg.logprobs_source == "trainer":
+                    inputs["logprobs"] = TensorData.from_numpy(trainer)
+                self.datums[i] = Datum(model_input=datum.model_input, loss_fn_inputs=inputs)
+        measured = mismatch_metrics(pairs)
+        self.recomputed = {f"recomputed_{key.removeprefix('kl_sample_train_')}": value
+                           for key, value in measured.items()
+                           if key in ("kl_sample_train_v1", "kl_sample_train_k3", "ratio_min", "ratio_max")}
+
     def submit(self, adam: AdamParams) -> list[Any]:
         """Queue the step's training calls; returns the optimizer steps' futures.
 
         One optimizer step over the batch (its minibatches already streamed),
-        or with ``num_substeps`` K > 1 the datums shuffled (seeded by the step)
-        into K parts, each a forward_backward and an optimizer step: later
-        parts see weights already updated, which is where PPO's clipping acts.
+        or with ``num_substeps`` K > 1 one per planned part (``plan``), each a
+        forward_backward and an optimizer step: later parts see weights already
+        updated, which is where PPO's clipping acts.
         """
-        cfg = self.cfg
-        if cfg.num_minibatches == 1:
-            self._in_group_order()
-        if cfg.num_substeps == 1:
+        if self.cfg.num_minibatches > 1:
             self._submit_minibatch()
             return [self._issue(OptimStepCall(adam=adam))] if self.fb else []
-        self.datums, self.keys = self.pending_datums, self.pending_keys
-        self.pending_datums, self.pending_keys = [], []
-        order = np.random.default_rng([cfg.seed, self.step]).permutation(len(self.datums))
         optims = []
-        for k in range(min(cfg.num_substeps, len(self.datums))):
-            self._forward_backward(order[k::cfg.num_substeps].tolist())
+        for idx in self.plan():
+            self._forward_backward(idx)
+            if self.cfg.num_substeps > 1:
+                optims.append(self._issue(OptimStepCall(adam=adam)))
+        if self.cfg.num_substeps == 1 and self.fb:
             optims.append(self._issue(OptimStepCall(adam=adam)))
         return optims
 
@@ -277,10 +331,13 @@ class StepBatch:
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         loss = entropy = kl_ref = 0.0
         tokens = 0
+        corrected: Counter[str] = Counter()
         for n, (out, idx) in enumerate(outputs):
             loss += out.metrics.get("loss:sum", 0.0)
             entropy += out.metrics.get("entropy:sum", 0.0)
             kl_ref += out.metrics.get("kl_ref:sum", 0.0)
+            corrected.update({key: out.metrics.get(f"{key}:sum", 0.0)
+                              for key in ("is_tokens", "is_truncated", "is_masked")})
             for record, i in zip(out.loss_fn_outputs, idx):
                 mask = self.masks[i] > 0
                 tokens += int(mask.sum())
@@ -293,6 +350,10 @@ class StepBatch:
             out["entropy_mean"] = entropy / tokens
         if self.cfg.kl_coef is not None and tokens:
             out["kl_ref_mean"] = kl_ref / tokens  # the estimator's mean over the step's trained tokens
+        if corrected["is_tokens"]:
+            out["is_truncated_frac"] = corrected["is_truncated"] / corrected["is_tokens"]
+            out["is_masked_frac"] = corrected["is_masked"] / corrected["is_tokens"]
+        out |= self.recomputed
         norms = [float(m["grad_norm"]) for m in (getattr(o, "metrics", None) or {} for o in optim_outs)
                  if "grad_norm" in m]
         if norms:

@@ -75,6 +75,30 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     metrics.jsonl); None: neither."""
     kl_estimator: int = 3
     """The KL estimator: 1, 2 or 3 (k1, k2, k3)."""
+    logprobs_mode: Literal["auto", "raw", "processed"] = "auto"
+    """Which logprob the sampler records (``SamplingParams.logprobs_mode``): ``processed`` (under
+    the temperature, top-k and top-p actually sampled; the datums then carry that transform, so
+    the trainer computes the same one and the ratio is 1 on-policy) or ``raw``. ``auto``:
+    processed on the torch and vLLM backends, raw on the sim backend (which records no other)."""
+    logprobs_source: Literal["sampler", "trainer"] = "sampler"
+    """The behaviour logprobs the losses use: the sampler's, or (``trainer``, the zero-mismatch
+    mode) the trainer's own, recomputed by a ``forward`` pass on the finished sequences before
+    the step's first update, with the same datums as its ``forward_backward`` calls, so the
+    first of those sees a ratio of exactly 1 (``kl_sample_train_*`` 0.0 where the trainer's
+    forward is deterministic). The sampler-vs-trainer mismatch it replaced is still measured
+    (``recomputed_kl_k1`` / ``recomputed_kl_k3``)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (``rlengine.trainer.losses``): each token's loss times
+    ``min(w, tis_cap)``, ``w`` the trainer-over-sampler ratio from a recompute ``forward``."""
+    mis_cap: float | None = None
+    """Masked importance sampling: tokens with ``w > mis_cap`` are left out, the rest weighted by ``w``."""
+    icepop_low: float | None = None
+    """IcePop: tokens with ``w`` outside [icepop_low, icepop_high] left out, the rest weighted by ``w``."""
+    icepop_high: float | None = None
+    geo_mask_low: float | None = None
+    """A sequence-level mask: a datum whose geometric-mean ``w`` is outside
+    [geo_mask_low, geo_mask_high] is left out."""
+    geo_mask_high: float | None = None
     learning_rate: float = 1e-4
     lr_schedule: Literal["constant", "linear"] = "constant"
     """``linear`` decays the learning rate from ``learning_rate`` at the first step to 0 after the last."""
@@ -151,6 +175,23 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         for name in ("clip_low_threshold", "clip_high_threshold", "kl_coef"):
             if getattr(self, name) is not None:
                 check_number(name, getattr(self, name), minimum=0.0)
+        for name in CORRECTIONS:
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), minimum=0.0, exclusive=True)
+        set_ = [name for name in ("tis_cap", "mis_cap", "icepop_low") if getattr(self, name) is not None]
+        if len(set_) > 1:
+            raise ConfigurationError(f"{set_[1]}={getattr(self, set_[1])!r}: at most one of tis_cap, mis_cap and "
+                                     f"IcePop ({set_[0]} is set)")
+        for low, high in (("icepop_low", "icepop_high"), ("geo_mask_low", "geo_mask_high")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if (lo is None) != (hi is None):
+                raise ConfigurationError(f"{low}={lo!r}, {high}={hi!r}: set both or neither")
+            if lo is not None and not lo <= 1.0 <= hi:
+                raise ConfigurationError(f"{low}={lo!r}, {high}={hi!r}: need {low} <= 1 <= {high}")
+        if self.recomputes and self.num_minibatches > 1:
+            raise ConfigurationError(f"num_minibatches={self.num_minibatches}: the recompute forward pass "
+                                     f"(logprobs_source='trainer' or an importance-sampling correction) needs "
+                                     "the whole batch; use num_substeps")
         if self.kl_estimator not in (1, 2, 3) or isinstance(self.kl_estimator, bool):
             raise ConfigurationError(f"kl_estimator={self.kl_estimator!r}: must be 1, 2 or 3 (k1, k2, k3)")
         for name in ("beta1", "beta2"):
@@ -170,6 +211,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                                      "samples nothing to dump")
 
     @property
+    def recomputes(self) -> bool:
+        """Whether each step runs a ``forward`` pass before training (zero-mismatch mode or a correction)."""
+        return self.logprobs_source == "trainer" or any(getattr(self, name) is not None for name in CORRECTIONS)
+
+    @property
     def resolved_workers(self) -> int:
         return self.workers or self.groups_per_batch * (self.max_steps_off_policy + 1)
 
@@ -183,7 +229,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             out["entropy_coef"] = self.entropy_coef
         if self.kl_coef is not None:
             out |= {"kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
-        return out
+        return out | {name: getattr(self, name) for name in CORRECTIONS if getattr(self, name) is not None}
+
+
+CORRECTIONS = ("tis_cap", "mis_cap", "icepop_low", "icepop_high", "geo_mask_low", "geo_mask_high")
+"""The importance-sampling corrections, named as in ``loss_fn_config`` (``rlengine.trainer.losses``)."""
 
 
 RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkpoints", "call_timeout_s",

@@ -427,6 +427,13 @@ class TrainingRun:
             lr *= 1.0 - (step - 1) / self.total_steps
         adam = AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm)
+        if cfg.recomputes and not cfg.rollout_only and batch.plan():
+            calls = batch.recompute_calls()
+            futures = [(self.training.forward(data, "cross_entropy"), idx) for data, idx in calls]
+            outputs = [(await self._call(f), idx) for f, idx in futures]
+            if self._abort.is_set():
+                return False
+            batch.apply_recompute(outputs)
         optims = batch.submit(adam)
         if optims and not cfg.rollout_only:
             # The evaluation of step k samples policy k only: the install waits for it.

@@ -42,6 +42,46 @@ trainers report ``kl_ref:sum`` (the estimator's sum, mask-weighted) beside
 ``loss:sum``, which stays Tinker's; ``mask`` is then allowed as with an
 entropy bonus.
 
+**Processed logprobs.** Optional per-token inputs ``temperature`` (> 0),
+``top_k`` (0 or less: no limit) and ``top_p`` (in (0, 1]), for any loss, make
+``logp`` the logprob under that sampling transform instead of the raw
+``log_softmax``: logits divided by ``temperature``, kept to the ``top_k``
+most likely tokens and then to the nucleus of mass ``top_p``, renormalised
+(``rlengine.backends.torch.sampling.processed_log_softmax``, the definition
+the torch sampler uses for ``SamplingParams.logprobs_mode="processed"``); the
+target token always stays in the support, so its logprob is finite. Tokens
+with ``temperature`` 1, ``top_k`` <= 0 and ``top_p`` 1 are raw. On-policy,
+the ratio of a processed sampler logprob to this is 1 at any temperature;
+against a raw ``log_softmax`` it is biased by the temperature (verl #6240).
+The sim trainer computes raw logprobs only and refuses these inputs.
+
+**Off-policy corrections** (losses with ratios: ``importance_sampling``,
+``ppo``, ``cispo``). With the optional input ``old_logprobs`` (the logprobs
+of a proximal policy, usually the trainer's own before the update: the RL
+loop computes them with a ``forward`` pass), the policy ratio of each loss is
+``exp(logp - old_logprobs)`` instead of ``exp(logp - logprobs)`` (decoupled
+PPO), and the behaviour weight ``w = exp(old_logprobs - logprobs)`` (trainer
+over sampler, a constant) corrects for the sampler's mismatch. Each token's
+loss (and gradient) is multiplied by a function ``c(w)`` set in
+``loss_fn_config`` (at most one of the first three; all need
+``old_logprobs``):
+
+* ``tis_cap`` C: truncated importance sampling, ``c = min(w, C)``;
+* ``mis_cap`` C: masked importance sampling, ``c = w`` if ``w <= C`` else 0;
+* ``icepop_low`` a, ``icepop_high`` b (IcePop's two-sided mask):
+  ``c = w`` if ``a <= w <= b`` else 0;
+* ``geo_mask_low`` a, ``geo_mask_high`` b: a sequence-level mask: with ``g =
+  exp(mean log w)`` over the datum's action tokens, every token of the datum
+  gets ``c = 0`` when ``g`` is outside ``[a, b]`` (times the token-level
+  ``c`` when one is set, else 1).
+
+Action tokens are those with ``mask`` > 0 when a ``mask`` is given, else
+those with a non-zero advantage. The trainers report ``is_tokens:sum``
+(action tokens), ``is_truncated:sum`` (tokens whose ``w`` exceeded the TIS
+cap) and ``is_masked:sum`` (tokens zeroed by MIS, IcePop or the geometric
+mask). Asymmetric clipping (DAPO's clip-higher) is ``ppo`` with
+``clip_high_threshold`` above ``2 - clip_low_threshold`` (e.g. 0.8 / 1.28).
+
 ``validate_data`` runs on the loop thread before anything is queued and
 raises ``InvalidRequest`` naming the datum and field.
 """
@@ -56,8 +96,8 @@ import numpy as np
 from rlengine.errors import InvalidRequest
 from rlengine.types import LOSS_FNS, Datum
 
-__all__ = ["KL_ESTIMATORS", "REQUIRED_INPUTS", "LossSettings", "as_settings", "clip_thresholds", "elementwise",
-           "loss_settings", "reference_kl", "validate_data"]
+__all__ = ["CORRECTION_KEYS", "KL_ESTIMATORS", "REQUIRED_INPUTS", "TRANSFORM_INPUTS", "LossSettings", "as_settings",
+           "clip_thresholds", "correction_weights", "elementwise", "loss_settings", "reference_kl", "validate_data"]
 
 KL_ESTIMATORS = (1, 2, 3)
 
@@ -69,6 +109,10 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
 }
 _OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
 _DEFAULT_CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+TRANSFORM_INPUTS = ("temperature", "top_k", "top_p")
+"""Per-token inputs of any loss: the sampling transform its ``logp`` is under."""
+_RATIO_LOSSES = ("importance_sampling", "ppo", "cispo")
+CORRECTION_KEYS = ("tis_cap", "mis_cap", "icepop_low", "icepop_high", "geo_mask_low", "geo_mask_high")
 
 
 class LossSettings(NamedTuple):
@@ -80,6 +124,11 @@ class LossSettings(NamedTuple):
     kl_coef: float | None = None
     """None: no reference KL; 0: measured, not penalised."""
     kl_estimator: int = 3
+    corrections: tuple[tuple[str, float], ...] = ()
+    """The off-policy correction keys set, with their values (``CORRECTION_KEYS`` order)."""
+
+    def correction(self, key: str) -> float | None:
+        return dict(self.corrections).get(key)
 
     def config(self, loss_fn: str) -> dict[str, float]:
         """The ``loss_fn_config`` that resolves to these settings (for re-validation)."""
@@ -90,7 +139,7 @@ class LossSettings(NamedTuple):
             out["entropy_coef"] = self.entropy_coef
         if self.kl_coef is not None:
             out |= {"kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
-        return out
+        return out | dict(self.corrections)
 
     @property
     def masked(self) -> bool:
@@ -110,7 +159,7 @@ def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
     """Resolve ``loss_fn_config``: clip thresholds (ppo, cispo) and ``entropy_coef`` (any loss)."""
     lo, hi = _DEFAULT_CLIP.get(loss_fn, (0.0, math.inf))
     config = config or {}
-    known = ("clip_low_threshold", "clip_high_threshold", "entropy_coef", "kl_coef", "kl_estimator")
+    known = ("clip_low_threshold", "clip_high_threshold", "entropy_coef", "kl_coef", "kl_estimator", *CORRECTION_KEYS)
     for key in config:
         if key not in known:
             raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key], f"unknown key (known: {', '.join(known)})")
@@ -136,7 +185,65 @@ def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
         raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "must be 1, 2 or 3 (k1, k2, k3)")
     if "kl_estimator" in config and kl is None:
         raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "needs kl_coef")
-    return LossSettings(float(lo), float(hi), float(coef), None if kl is None else float(kl), int(estimator))
+    return LossSettings(float(lo), float(hi), float(coef), None if kl is None else float(kl), int(estimator),
+                        _corrections(loss_fn, config))
+
+
+def _corrections(loss_fn: str, config: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """The off-policy correction keys of ``config``, checked (see the module docstring)."""
+    given = [key for key in CORRECTION_KEYS if key in config]
+    if not given:
+        return ()
+    if loss_fn not in _RATIO_LOSSES:
+        raise InvalidRequest(f"loss_fn_config[{given[0]!r}]", config[given[0]],
+                             f"loss_fn={loss_fn!r} has no importance ratio to correct")
+    for key in given:
+        v = config[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise InvalidRequest(f"loss_fn_config[{key!r}]", v, "must be a finite number > 0")
+    token_level = [k for k in ("tis_cap", "mis_cap", "icepop_low") if k in config]
+    if len(token_level) > 1:
+        raise InvalidRequest("loss_fn_config", {k: config[k] for k in token_level},
+                             "at most one of tis_cap, mis_cap and IcePop (icepop_low / icepop_high)")
+    for low, high in (("icepop_low", "icepop_high"), ("geo_mask_low", "geo_mask_high")):
+        if (low in config) != (high in config):
+            missing = high if low in config else low
+            raise InvalidRequest(f"loss_fn_config[{missing!r}]", None, f"{low} and {high} go together")
+        if low in config and not config[low] <= 1.0 <= config[high]:
+            raise InvalidRequest("loss_fn_config", {low: config[low], high: config[high]},
+                                 f"needs {low} <= 1 <= {high}")
+    return tuple((key, float(config[key])) for key in given)
+
+
+def correction_weights(inputs: dict[str, np.ndarray], settings: LossSettings) -> tuple[np.ndarray, dict[str, float]]:
+    """Per token, the correction factor ``c(w)`` of the module docstring for one datum (float64;
+    all ones without corrections), and its counts (``is_tokens``, ``is_truncated``, ``is_masked``)."""
+    n = inputs["target_tokens"].shape[0]
+    if not settings.corrections:
+        return np.ones(n), {}
+    log_w = inputs["old_logprobs"].astype(np.float64) - inputs["logprobs"].astype(np.float64)
+    w = np.exp(log_w)
+    action = inputs["mask"] > 0 if "mask" in inputs else inputs["advantages"] != 0
+    c = np.ones(n)
+    truncated = masked = np.zeros(n, dtype=bool)
+    cap = settings.correction("tis_cap")
+    if cap is not None:
+        c, truncated = np.minimum(w, cap), w > cap
+    cap = settings.correction("mis_cap")
+    if cap is not None:
+        masked = w > cap
+        c = np.where(masked, 0.0, w)
+    low, high = settings.correction("icepop_low"), settings.correction("icepop_high")
+    if low is not None and high is not None:
+        masked = (w < low) | (w > high)
+        c = np.where(masked, 0.0, w)
+    low, high = settings.correction("geo_mask_low"), settings.correction("geo_mask_high")
+    if low is not None and high is not None and action.any():
+        g = math.exp(float(log_w[action].mean()))
+        if not low <= g <= high:
+            c, masked = np.zeros(n), np.ones(n, dtype=bool)
+    return c, {"is_tokens": float(action.sum()), "is_truncated": float((truncated & action).sum()),
+               "is_masked": float((masked & action).sum())}
 
 
 def reference_kl(logp: np.ndarray, ref_logp: np.ndarray, estimator: int) -> tuple[np.ndarray, np.ndarray]:
@@ -168,8 +275,12 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
         raise InvalidRequest("data", data if not isinstance(data, (list, tuple)) else "[]",
                              "must be a non-empty list of Datum")
     required = REQUIRED_INPUTS[loss_fn]
-    allowed = set(required) | set(_OPTIONAL_INPUTS.get(loss_fn, ()))
-    if thresholds.masked:
+    allowed = set(required) | set(_OPTIONAL_INPUTS.get(loss_fn, ())) | set(TRANSFORM_INPUTS)
+    if loss_fn in _RATIO_LOSSES:
+        allowed.add("old_logprobs")
+    if thresholds.corrections:
+        required = (*required, "old_logprobs")
+    if thresholds.masked or thresholds.corrections:
         allowed.add("mask")
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):
@@ -205,7 +316,20 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
         for key in inputs:
             if key != "target_tokens" and not np.isfinite(inputs[key].to_numpy()).all():
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]", "non-finite", "must be finite")
+        _check_transform(i, inputs)
     return thresholds
+
+
+def _check_transform(i: int, inputs: dict[str, Any]) -> None:
+    """The ``temperature`` / ``top_k`` / ``top_p`` inputs of datum ``i``, if any, in range."""
+    for key, ok, rule in (("temperature", lambda v: v > 0, "must be > 0"),
+                          ("top_k", lambda v: v == np.round(v), "must be whole numbers (<= 0: no limit)"),
+                          ("top_p", lambda v: (v > 0) & (v <= 1), "must be in (0, 1]")):
+        if key in inputs:
+            values = inputs[key].to_numpy()
+            bad = ~ok(values)
+            if bad.any():
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]", float(values[bad][0]), rule)
 
 
 def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
@@ -220,7 +344,8 @@ def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
         w = np.ones_like(logp) if w is None else w.astype(np.float64)
         return -w * logp, -w
     adv = inputs["advantages"].astype(np.float64)
-    ratio = np.exp(logp - inputs["logprobs"].astype(np.float64))
+    # With a proximal policy (``old_logprobs``), the ratio is to it (decoupled PPO).
+    ratio = np.exp(logp - inputs.get("old_logprobs", inputs["logprobs"]).astype(np.float64))
     if loss_fn == "importance_sampling":
         return -ratio * adv, -ratio * adv
     lo, hi = thresholds[0], thresholds[1]

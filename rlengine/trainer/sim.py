@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from rlengine.errors import InvalidRequest
-from rlengine.trainer.losses import as_settings, elementwise, reference_kl
+from rlengine.trainer.losses import TRANSFORM_INPUTS, as_settings, correction_weights, elementwise, reference_kl
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 if TYPE_CHECKING:
@@ -64,13 +65,21 @@ class SimTrainer:
         entropy = float(-(probs * logp_all).sum())
         total = 0.0
         entropy_total = kl_total = 0.0
+        corrected: Counter[str] = Counter()
         outputs = []
         grad = np.zeros_like(self.theta)
         for datum in data:
             inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
             targets = inputs["target_tokens"]
+            if any(key in inputs for key in TRANSFORM_INPUTS):
+                raise InvalidRequest("loss_fn_inputs", sorted(set(TRANSFORM_INPUTS) & set(inputs)),
+                                     "the sim trainer computes raw logprobs only (no sampling transform)")
             logp = logp_all[targets]
             loss, dlogp = elementwise(loss_fn, logp, inputs, settings)
+            weights, counts = correction_weights(inputs, settings)
+            loss, dlogp = loss * weights, dlogp * weights
+            for key, value in counts.items():
+                corrected[key] += value
             total += float(loss.sum())
             if settings.kl_coef is not None:
                 mask = inputs["mask"] if "mask" in inputs else np.ones(len(targets))
@@ -93,6 +102,7 @@ class SimTrainer:
             metrics["entropy:sum"] = entropy_total
         if settings.kl_coef is not None:
             metrics["kl_ref:sum"] = kl_total
+        metrics |= {f"{key}:sum": value for key, value in corrected.items()}
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:

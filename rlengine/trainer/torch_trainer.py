@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -46,8 +47,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
+from rlengine.backends.torch.sampling import processed_log_softmax
 from rlengine.errors import ConfigurationError, InvalidRequest
-from rlengine.trainer.losses import as_settings, elementwise, reference_kl, validate_data
+from rlengine.trainer.losses import (
+    TRANSFORM_INPUTS,
+    as_settings,
+    correction_weights,
+    elementwise,
+    reference_kl,
+    validate_data,
+)
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 __all__ = ["TorchTrainer", "build"]
@@ -135,12 +144,43 @@ class TorchTrainer:
         logits = logits.float()
         norm = logits.logsumexp(-1)
         logp = logits.gather(-1, targets[..., None]).squeeze(-1) - norm
+        transform = self._transform(data, n)
+        if transform is not None:
+            # Positions with a sampling transform: the logprob under it (``losses``), target kept.
+            where, temperature, top_k, top_p = transform
+            flat, flat_targets = logits.reshape(-1, logits.shape[-1])[where], targets.reshape(-1)[where]
+            lp = processed_log_softmax(flat, temperature, top_k, top_p, keep=flat_targets)
+            logp = logp.reshape(-1).index_put((where,), lp.gather(-1, flat_targets[:, None]).squeeze(-1))
+            logp = logp.reshape(len(data), n)
         ent = None
         if entropy:
             # H = logsumexp(z) - sum softmax(z) * z, without materialising log_softmax.
             ent = norm - (logits.softmax(-1) * logits).sum(-1)
             ent = torch.cat([ent[i, :lengths[i]] for i in range(len(data))])
         return torch.cat([logp[i, :lengths[i]] for i in range(len(data))]), ent
+
+    def _transform(self, data: list[Datum], n: int) -> tuple[torch.Tensor, ...] | None:
+        """The flat positions (row-major over [len(data), n]) whose ``temperature`` / ``top_k`` /
+        ``top_p`` inputs ask for a transform, and those values there; None if none do."""
+        if not any(key in d.loss_fn_inputs for d in data for key in TRANSFORM_INPUTS):
+            return None
+        values = {key: np.full((len(data), n), default, dtype=np.float32)
+                  for key, default in (("temperature", 1.0), ("top_k", 0.0), ("top_p", 1.0))}
+        for i, d in enumerate(data):
+            for key in TRANSFORM_INPUTS:
+                if key in d.loss_fn_inputs:
+                    column = d.loss_fn_inputs[key].to_numpy()
+                    values[key][i, :column.shape[0]] = column
+        top_k = values["top_k"]
+        top_k = np.where(top_k <= 0, self.vocab_size, np.minimum(top_k, self.vocab_size))
+        active = (values["temperature"] != 1.0) | (top_k < self.vocab_size) | (values["top_p"] < 1.0)
+        where = np.flatnonzero(active)
+        if not where.size:
+            return None
+        return (torch.from_numpy(where).to(self.device),
+                torch.from_numpy(values["temperature"].reshape(-1)[where]).to(self.device),
+                torch.from_numpy(top_k.reshape(-1)[where].astype(np.int64)).to(self.device),
+                torch.from_numpy(values["top_p"].reshape(-1)[where]).to(self.device))
 
     def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...],
              backward: bool) -> ForwardBackwardOutput:
@@ -150,6 +190,7 @@ class TorchTrainer:
         outputs: list[dict[str, TensorData]] = [{} for _ in data]
         total = 0.0
         entropy_total = kl_total = 0.0
+        corrected: Counter[str] = Counter()
         for group in self._micro_batches(data):
             batch = [data[i] for i in group]
             with torch.set_grad_enabled(backward):
@@ -162,6 +203,10 @@ class TorchTrainer:
                 n = datum.model_input.length
                 inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
                 loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, settings)
+                weights, counts = correction_weights(inputs, settings)
+                loss, dlogp = loss * weights, dlogp * weights
+                for key, value in counts.items():
+                    corrected[key] += value
                 total += float(loss.sum())
                 mask = inputs["mask"] if "mask" in inputs else np.ones(n)
                 if ref_np is not None:
@@ -189,6 +234,7 @@ class TorchTrainer:
             metrics["entropy:sum"] = entropy_total
         if settings.kl_coef is not None:
             metrics["kl_ref:sum"] = kl_total
+        metrics |= {f"{key}:sum": value for key, value in corrected.items()}
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:

@@ -48,7 +48,7 @@ from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
 from rlengine.backends.grammar import Constrained, Grammars, mask_logits
 from rlengine.backends.torch.decoder import DecoderRunner
 from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
-from rlengine.backends.torch.sampling import StopText, sample_tokens
+from rlengine.backends.torch.sampling import StopText, processed_log_softmax, sample_tokens
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.types import MAX_TOP_LOGPROBS
 
@@ -64,6 +64,7 @@ class _Seq:
         "length",
         "logprobs",
         "max_tokens",
+        "processed",
         "prompt",
         "prompt_logprobs",
         "reported",
@@ -95,6 +96,7 @@ class _Seq:
         self.temperature = float(p.temperature)
         self.top_k = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
         self.top_p = float(p.top_p)
+        self.processed = p.logprob_transform is not None
         self.generator: torch.Generator | None = None
         if self.temperature > 0.0:
             self.generator = torch.Generator(device="cpu")
@@ -120,7 +122,7 @@ class TorchBackend:
 
     def __init__(self, model_path: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 prefill_tokens: int = 8192, batch_invariant: bool = False) -> None:
+                 prefill_tokens: int = 8192, batch_invariant: bool = False, processed: bool = False) -> None:
         self.threads = configure_threads()
         self.device = device or torch.device("cpu")
         self.dtype = dtype
@@ -148,7 +150,8 @@ class TorchBackend:
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
                                          constraints=self.tokenizer is not None, top_logprobs=MAX_TOP_LOGPROBS,
-                                         weight_install=True, why_not_sleep=why)
+                                         weight_install=True, why_not_sleep=why,
+                                         logprobs_modes=("processed", "raw") if processed else ("raw", "processed"))
         # Every name a weight install may use (tied aliases included) and the
         # canonical parameter each one lands in.
         self._params = dict(model.named_parameters(remove_duplicate=False))
@@ -272,12 +275,21 @@ class TorchBackend:
             tokens, logprobs = sample_tokens(
                 logits, generators, temperature=torch.as_tensor([s.temperature or 1.0 for s in seqs], device=device),
                 top_k=torch.as_tensor([s.top_k for s in seqs], device=device),
-                top_p=torch.as_tensor([s.top_p for s in seqs], device=device))
+                top_p=torch.as_tensor([s.top_p for s in seqs], device=device),
+                processed=[s.processed for s in seqs])
         else:
             tokens, logprobs = sample_tokens(logits, generators)
         top = max(s.top for s in seqs)
         if top:  # the alternatives, from the distribution the token was drawn from (masked if constrained)
-            top_lps, top_ids = logits.log_softmax(-1).topk(top, dim=-1)
+            dist = logits.log_softmax(-1)
+            rows = [i for i, s in enumerate(seqs) if s.processed and s.generator is not None]
+            if rows:  # processed logprobs: their alternatives are processed too
+                index = torch.as_tensor(rows, device=device)
+                dist = dist.index_copy(0, index, processed_log_softmax(
+                    logits[index], torch.as_tensor([seqs[i].temperature for i in rows], device=device),
+                    torch.as_tensor([seqs[i].top_k for i in rows], device=device),
+                    torch.as_tensor([seqs[i].top_p for i in rows], device=device)))
+            top_lps, top_ids = dist.topk(top, dim=-1)
             top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if prompt_lps[i] is not None:
@@ -389,4 +401,5 @@ def build(config: Any, model_path: str | None) -> TorchBackend:
     args = engine_args(config)
     return TorchBackend(model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"],
-                        batch_invariant=args["batch_invariant"])
+                        batch_invariant=args["batch_invariant"],
+                        processed=getattr(config, "logprobs_mode", "raw") == "processed")

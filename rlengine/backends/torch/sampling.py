@@ -15,8 +15,13 @@ reproduces its tokens regardless of batch composition. The generators live
 on the CPU, so a seed means the same draws on every device.
 
 The logprob returned for each token is ``log_softmax`` of the *raw* logits,
-not the tempered or filtered ones: that is what a trainer's forward pass
-computes for the same token, and what vLLM returns by default.
+not the tempered or filtered ones (what a trainer's plain forward pass
+computes for the same token, and what vLLM returns by default), except on
+rows marked ``processed`` (``SamplingParams.logprobs_mode``): there it is the
+logprob under the distribution the token was drawn from, after temperature,
+top-k and top-p. ``filter_sorted`` is the one definition of that filter; the
+torch trainer applies it too (``processed_logprobs``), so both sides compute
+the same transform.
 
 ``StopText`` detokenizes a sequence incrementally (decoding only a short
 window per step, not the whole text) and reports when a stop string
@@ -30,33 +35,59 @@ from typing import Any
 
 import torch
 
-__all__ = ["StopText", "sample_tokens"]
+__all__ = ["StopText", "filter_sorted", "processed_log_softmax", "sample_tokens"]
+
+
+def filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tempered logits sorted in descending order per row [N, V] with -inf beyond the
+    row's ``top_k`` (vocab size: no limit) and then beyond its nucleus of mass ``top_p``
+    (per-row tensors [N])."""
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # Keep a token when the mass strictly before it is below top_p; the
+    # first token has none before it, so it is always kept.
+    beyond = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    return sorted_logits.masked_fill(beyond, float("-inf"))
+
+
+def processed_log_softmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probabilities [N, V] in vocabulary order under the sampling transform of each row:
+    ``logits / temperature``, ``filter_sorted``'s top-k and top-p (-inf outside), renormalised.
+    ``keep`` [N] (token ids) stays in its row's support even if filtered out, so a trainer's
+    target token always has a finite logprob. Differentiable in ``logits``."""
+    scaled = logits / temperature[:, None]
+    sorted_logits, sorted_ids = scaled.detach().sort(dim=-1, descending=True)
+    kept_sorted = filter_sorted(sorted_logits, top_k, top_p).isfinite()
+    kept = torch.empty_like(kept_sorted).scatter_(-1, sorted_ids, kept_sorted)
+    if keep is not None:
+        kept[torch.arange(kept.shape[0], device=kept.device), keep] = True
+    return scaled.masked_fill(~kept, float("-inf")).log_softmax(-1)
 
 
 def sample_tokens(logits: torch.Tensor, generators: list[torch.Generator | None],
                   temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
-                  top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its raw logprob; see the module docstring.
+                  top_p: torch.Tensor | None = None,
+                  processed: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob (raw, or processed where ``processed[i]``); see
+    the module docstring.
 
-    ``generators[i]`` is None exactly for greedy rows. ``temperature``,
-    ``top_k`` (vocab size when disabled) and ``top_p`` are per-row tensors on
-    ``logits``' device, needed only when some row samples.
+    ``generators[i]`` is None exactly for greedy rows (whose logprob is raw either way).
+    ``temperature``, ``top_k`` (vocab size when disabled) and ``top_p`` are per-row tensors
+    on ``logits``' device, needed only when some row samples.
     """
     logprobs_all = logits.log_softmax(-1)
     tokens = logits.argmax(-1)
     sampled_rows = [i for i, g in enumerate(generators) if g is not None]
+    processed_lps = None
     if sampled_rows:
         assert temperature is not None and top_k is not None and top_p is not None
         rows = torch.as_tensor(sampled_rows, device=logits.device)
         scaled = logits[rows] / temperature[rows, None]
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(scaled.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[rows, None], float("-inf"))
-        probs = sorted_logits.softmax(-1)
-        # Keep a token when the mass strictly before it is below top_p; the
-        # first token has none before it, so it is always kept.
-        beyond = (probs.cumsum(-1) - probs) >= top_p[rows, None]
-        probs = sorted_logits.masked_fill(beyond, float("-inf")).softmax(-1)
+        filtered = filter_sorted(sorted_logits, top_k[rows], top_p[rows])
+        probs = filtered.softmax(-1)
         cdf = probs.cumsum(-1)
         uniforms = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64)
                                 for i in sampled_rows]).to(device=logits.device, dtype=cdf.dtype)
@@ -64,7 +95,14 @@ def sample_tokens(logits: torch.Tensor, generators: list[torch.Generator | None]
         # (its CDF equals its predecessor's), and within range up to rounding.
         picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[-1] - 1)
         tokens = tokens.index_copy(0, rows, sorted_ids.gather(-1, picked).squeeze(-1))
+        if processed is not None and any(processed[i] for i in sampled_rows):
+            processed_lps = (rows, filtered.log_softmax(-1).gather(-1, picked).squeeze(-1))
     logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+    if processed_lps is not None:
+        rows, lps = processed_lps
+        assert processed is not None
+        keep = torch.as_tensor([processed[i] for i in rows.tolist()], device=logits.device)
+        logprobs = logprobs.index_copy(0, rows, torch.where(keep, lps, logprobs[rows]))
     return tokens, logprobs
 
 
