@@ -6,7 +6,10 @@
   it is dropped (``constant_reward``) when so configured, since its
   advantages are all zero; otherwise each survivor gets the group-centred
   advantage ``r - mean(r)``, divided by ``std(r) + eps`` when normalising
-  (GRPO; population std over the survivors).
+  (GRPO; population std over the survivors). With ``overlong_filtering``
+  (DAPO) a survivor whose last action was cut by the token limit keeps its
+  reward in those statistics but is not kept for training; a group left with
+  nothing to train is dropped (``overlong``).
 * ``trajectory_datums`` turns one trajectory into ``Datum``s for the
   ``importance_sampling`` / ``ppo`` / ``cispo`` losses: input tokens, next-token
   targets, the sampler's logprobs, the advantage on every sampled token
@@ -40,9 +43,12 @@ class GroupVerdict(NamedTuple):
     rewards: list[float]
     """Total reward of every surviving attempt (also for dropped groups: they are real samples)."""
     dropped: str | None
-    """None, ``too_few_survivors`` or ``constant_reward``."""
+    """None, ``too_few_survivors``, ``constant_reward`` or ``overlong``."""
     failed: int
     """Attempts filtered out as failed."""
+    filtered: list[int]
+    """Survivors left out of the training as truncated (``overlong_filtering``); their rewards
+    are in ``rewards`` and in the advantages' statistics."""
 
 
 def group_advantages(rewards: np.ndarray, normalize: bool, eps: float = 1e-6) -> np.ndarray:
@@ -55,17 +61,23 @@ def group_advantages(rewards: np.ndarray, normalize: bool, eps: float = 1e-6) ->
 
 
 def assess_group(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_constant_reward: bool,
-                 normalize: bool) -> GroupVerdict:
+                 normalize: bool, overlong_filtering: bool = False) -> GroupVerdict:
     totals = group.total_rewards()
     survivors = [i for i, t in enumerate(group.trajectories) if not t.failed]
     rewards = [totals[i] for i in survivors]
     failed = len(group.trajectories) - len(survivors)
     if len(survivors) < min_surviving_attempts or not survivors:
-        return GroupVerdict([], [], rewards, "too_few_survivors", failed)
+        return GroupVerdict([], [], rewards, "too_few_survivors", failed, [])
     if skip_constant_reward and max(rewards) == min(rewards):
-        return GroupVerdict([], [], rewards, "constant_reward", failed)
+        return GroupVerdict([], [], rewards, "constant_reward", failed, [])
     advantages = group_advantages(np.array(rewards), normalize)
-    return GroupVerdict(survivors, [float(a) for a in advantages], rewards, None, failed)
+    # Overlong filtering masks the loss of a truncated answer, not its place in the baseline:
+    # its reward says what a cut answer earns, its tokens would be trained on a reward the cut decided.
+    filtered = [i for i in survivors if overlong_filtering and group.trajectories[i].truncated]
+    kept = [(i, float(a)) for i, a in zip(survivors, advantages) if i not in filtered]
+    if not kept:
+        return GroupVerdict([], [], rewards, "overlong", failed, filtered)
+    return GroupVerdict([i for i, _ in kept], [a for _, a in kept], rewards, None, failed, filtered)
 
 
 def is_stale(oldest_version: int | None, current_version: int, max_steps_off_policy: int) -> bool:

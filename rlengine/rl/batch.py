@@ -7,8 +7,9 @@ the rollout groups as they arrive. Every group passes one intake
 recorded; a stale group comes back as a retry for the dataloader to
 re-issue, it is not trained), then failed attempts and
 ``min_surviving_attempts``, constant rewards, GRPO advantages, and the
-group's datums. With ``num_minibatches > 1`` (streaming) each minibatch
-goes to ``forward_backward`` as soon as it is complete; ``submit`` queues
+group's datums (``overlong_filtering`` leaves out, and counts, the attempts
+cut by the token limit). With ``num_minibatches > 1`` (streaming) each
+minibatch goes to ``forward_backward`` as soon as it is complete; ``submit`` queues
 the rest: one optimizer step, or ``num_substeps`` of them, each on a part
 of the batch. Outside streaming, the datums are put in group order first:
 groups arrive in the order their rollouts finish, and the training must not
@@ -119,7 +120,8 @@ class StepBatch:
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
         verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
-                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
+                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages,
+                               overlong_filtering=cfg.overlong_filtering)
         if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
                 and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
             # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
@@ -129,6 +131,7 @@ class StepBatch:
         self.consumed += 1
         self.rewards += verdict.rewards
         self.counts["attempts_failed"] += verdict.failed
+        self.counts["attempts_overlong_filtered"] += len(verdict.filtered)
         for tag in group.tags:
             self.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
         for t in group.trajectories:
@@ -142,6 +145,8 @@ class StepBatch:
         entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
         if failures:
             entry["failures"] = failures
+        if verdict.filtered:
+            entry["overlong_filtered"] = verdict.filtered
         if verdict.dropped is not None:
             self.counts[f"groups_dropped_{verdict.dropped}"] += 1
             self.ledger.append({**entry, "disposition": f"dropped_{verdict.dropped}"})
@@ -307,9 +312,11 @@ class StepBatch:
             "groups_trained": self.counts["groups_trained"],
             "groups_dropped_constant_reward": self.counts["groups_dropped_constant_reward"],
             "groups_dropped_too_few_survivors": self.counts["groups_dropped_too_few_survivors"],
+            "groups_dropped_overlong": self.counts["groups_dropped_overlong"],
             "groups_resampled_stale": self.counts["groups_resampled_stale"],
             "groups_resampled_constant": self.counts["groups_resampled_constant"],
             "attempts_failed": self.counts["attempts_failed"],
+            "attempts_overlong_filtered": self.counts["attempts_overlong_filtered"],
             **{f"attempts_failed_{kind}": self.counts[f"attempts_failed_{kind}"] for kind in FAILURE_KINDS},
             "datums": len(self.datums),
             "staleness_mean": float(np.mean(self.staleness)) if self.staleness else float("nan"),

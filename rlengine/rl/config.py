@@ -69,6 +69,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
     seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);
     its samples are logged (``resampled_constant`` in groups.jsonl), not trained. 0: off."""
+    overlong_filtering: bool = False
+    """DAPO's overlong filtering: a trajectory whose last action was cut by the token limit
+    (stop reason ``length``: it reached ``max_tokens``, not an end token or a stop string)
+    trains no token, while its reward still counts in its group's baseline (mean and std).
+    Counted per step (``attempts_overlong_filtered``); a group left with nothing to train is
+    dropped (``groups_dropped_overlong``)."""
     kl_coef: float | None = None
     """A KL penalty to the reference policy (the initial weights), ``kl_coef * KL`` per sampled
     token (``rlengine.trainer.losses``); 0 measures it without penalising (``kl_ref_mean`` in
@@ -151,6 +157,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         for name in ("clip_low_threshold", "clip_high_threshold", "kl_coef"):
             if getattr(self, name) is not None:
                 check_number(name, getattr(self, name), minimum=0.0)
+        if not isinstance(self.overlong_filtering, bool):
+            raise ConfigurationError(f"overlong_filtering={self.overlong_filtering!r}: must be true or false")
         if self.kl_estimator not in (1, 2, 3) or isinstance(self.kl_estimator, bool):
             raise ConfigurationError(f"kl_estimator={self.kl_estimator!r}: must be 1, 2 or 3 (k1, k2, k3)")
         for name in ("beta1", "beta2"):
@@ -242,4 +250,7 @@ def convert(target: type[Any], values: dict[str, Any], what: str) -> Any:
     try:
         return msgspec.convert(decoded, target, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigurationError(f"{what}: {exc}") from None
+        # msgspec names the field (``... - at `$.key```); the message names its value too.
+        key = str(exc).rpartition("at `$.")[2].rstrip("`")
+        given = f" {key}={values[key]!r}:" if key in values else ""
+        raise ConfigurationError(f"{what}:{given} {exc}") from None
