@@ -10,6 +10,9 @@
   (DAPO) a survivor whose last action was cut by the token limit keeps its
   reward in those statistics but is not kept for training; a group left with
   nothing to train is dropped (``overlong``).
+* ``overlong_penalty`` is DAPO's soft overlong punishment of one answer,
+  ``trajectory_overlong_penalty`` that of a trajectory (its longest
+  action's); ``assess_group`` adds it to each reward before anything else.
 * ``trajectory_datums`` turns one trajectory into ``Datum``s for the
   ``importance_sampling`` / ``ppo`` / ``cispo`` losses: input tokens, next-token
   targets, the sampler's logprobs, the advantage on every sampled token
@@ -25,6 +28,7 @@ Pure functions over values; nothing here waits, samples or trains.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -32,7 +36,8 @@ import numpy as np
 from rlengine.rl.types import Trajectory, TrajectoryGroup
 from rlengine.types import Datum, ModelInput
 
-__all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "trajectory_datums"]
+__all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "overlong_penalty",
+           "trajectory_datums", "trajectory_overlong_penalty"]
 
 
 class GroupVerdict(NamedTuple):
@@ -41,7 +46,8 @@ class GroupVerdict(NamedTuple):
     kept: list[int]
     advantages: list[float]
     rewards: list[float]
-    """Total reward of every surviving attempt (also for dropped groups: they are real samples)."""
+    """Total reward of every surviving attempt, its overlong penalty included (also for dropped
+    groups: they are real samples)."""
     dropped: str | None
     """None, ``too_few_survivors``, ``constant_reward`` or ``overlong``."""
     failed: int
@@ -60,9 +66,29 @@ def group_advantages(rewards: np.ndarray, normalize: bool, eps: float = 1e-6) ->
     return centred
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment of an answer of ``length`` tokens: 0 up to
+    ``max_tokens - buffer_len`` tokens, then ``factor * ((max_tokens - buffer_len) - length) / buffer_len``,
+    down to ``-factor`` at ``max_tokens`` and beyond; 0 without a buffer."""
+    if buffer_len <= 0:
+        return 0.0
+    return factor * max(-1.0, min(0.0, ((max_tokens - buffer_len) - length) / buffer_len))
+
+
+def trajectory_overlong_penalty(trajectory: Trajectory, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """The penalty of a trajectory: that of its longest action (``max_tokens`` caps each action)."""
+    longest = max((t.action.length for t in trajectory.transitions), default=0)
+    return overlong_penalty(longest, max_tokens, buffer_len, factor)
+
+
 def assess_group(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_constant_reward: bool,
-                 normalize: bool, overlong_filtering: bool = False) -> GroupVerdict:
+                 normalize: bool, overlong_filtering: bool = False,
+                 penalties: Sequence[float] | None = None) -> GroupVerdict:
+    """What becomes of ``group`` (see the module docstring); ``penalties``, one per trajectory,
+    are added to the rewards first."""
     totals = group.total_rewards()
+    if penalties is not None:
+        totals = [r + p for r, p in zip(totals, penalties, strict=True)]
     survivors = [i for i, t in enumerate(group.trajectories) if not t.failed]
     rewards = [totals[i] for i in survivors]
     failed = len(group.trajectories) - len(survivors)

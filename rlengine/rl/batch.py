@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
+from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums, trajectory_overlong_penalty
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
 from rlengine.rl.metrics import reward_stats
@@ -77,6 +77,8 @@ class StepBatch:
         """The run's policy version of an engine install counter value."""
         self.consumed = 0
         self.rewards: list[float] = []
+        self.overlong_penalties: list[float] = []
+        """With ``overlong_buffer_len``: the penalty in each of ``rewards``, aligned with it."""
         self.counts: Counter[str] = Counter()
         self.staleness: list[int] = []
         self.tokens = 0
@@ -119,9 +121,12 @@ class StepBatch:
             self.counts["groups_resampled_stale"] += 1
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
+        penalties = None if not cfg.overlong_buffer_len else [
+            trajectory_overlong_penalty(t, cfg.max_tokens, cfg.overlong_buffer_len, cfg.overlong_buffer_penalty_factor)
+            for t in group.trajectories]
         verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
                                skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages,
-                               overlong_filtering=cfg.overlong_filtering)
+                               overlong_filtering=cfg.overlong_filtering, penalties=penalties)
         if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
                 and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
             # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
@@ -130,6 +135,9 @@ class StepBatch:
             return WorkItem(item.index, item.attempt + 1, item.builder)
         self.consumed += 1
         self.rewards += verdict.rewards
+        if penalties is not None:
+            entry["overlong_penalties"] = [p for p, t in zip(penalties, group.trajectories) if not t.failed]
+            self.overlong_penalties += entry["overlong_penalties"]
         self.counts["attempts_failed"] += verdict.failed
         self.counts["attempts_overlong_filtered"] += len(verdict.filtered)
         for tag in group.tags:
@@ -239,7 +247,8 @@ class StepBatch:
                   for (g, t, j), d, m, v in zip(self.keys, self.datums, self.masks, self.versions)]
         return StepDump(format=FORMAT_VERSION, step=self.step, updates=self.updates, learning_rate=learning_rate,
                         calls=list(self.calls), datums=datums, groups=sorted(self.groups, key=lambda g: g.group),
-                        rewards=list(self.rewards), counts=dict(self.counts), staleness=list(self.staleness),
+                        rewards=list(self.rewards), overlong_penalties=list(self.overlong_penalties),
+                        counts=dict(self.counts), staleness=list(self.staleness),
                         tokens_sampled=self.tokens, env_metrics=self.env_metrics, tag_rewards=self.tag_rewards)
 
     @classmethod
@@ -248,6 +257,7 @@ class StepBatch:
         # Versions were converted when the step was dumped; a replayed step takes in no group.
         batch = cls(cfg, training, dump.step, dump.updates, policy_version=int)
         batch.rewards, batch.counts, batch.staleness = list(dump.rewards), Counter(dump.counts), list(dump.staleness)
+        batch.overlong_penalties = list(dump.overlong_penalties)
         batch.tokens, batch.env_metrics, batch.tag_rewards = dump.tokens_sampled, dump.env_metrics, dump.tag_rewards
         batch.consumed = sum(v for k, v in dump.counts.items()
                              if k.startswith("groups_") and not k.startswith("groups_resampled_"))
@@ -325,6 +335,10 @@ class StepBatch:
             "step_time_s": wall, "train_time_s": train_time_s, "sampler_idle_frac": sampler_idle_frac,
             "time_s": time_s,
         }
+        if self.cfg.overlong_buffer_len:
+            # The rewards above include it: reward_mean - overlong_penalty_mean is the mean before shaping.
+            record["overlong_penalty_mean"] = (float(np.mean(self.overlong_penalties)) if self.overlong_penalties
+                                               else float("nan"))
         record |= {f"env/{k}": float(np.mean(v)) for k, v in sorted(self.env_metrics.items())}
         record |= {f"reward_mean/{k}": float(np.mean(v)) for k, v in sorted(self.tag_rewards.items())}
         return record

@@ -1,4 +1,5 @@
-"""DAPO's overlong handling: ``overlong_filtering`` (a trajectory cut by the token limit trains nothing).
+"""DAPO's overlong handling: ``overlong_filtering`` (a trajectory cut by the token limit trains
+nothing) and the soft overlong punishment (``overlong_buffer_len``, ``overlong_buffer_penalty_factor``).
 
 On the sim backend the tokens and the length of every answer are a function
 of its seed alone, never of the weights, so two runs of one seed sample the
@@ -11,15 +12,19 @@ recomputed by hand from those rewards.
 from __future__ import annotations
 
 import math
+from array import array
 
 import numpy as np
 import pytest
 
 from rlengine.errors import ConfigurationError
+from rlengine.rl.advantages import overlong_penalty, trajectory_overlong_penalty
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import read_step, step_files
 from rlengine.rl.metrics import read_jsonl, summarize
 from rlengine.rl.run import train
+from rlengine.rl.types import Observation, Trajectory, Transition
+from rlengine.types import ModelInput, SampledSequence
 
 MAX_TOKENS = 5
 
@@ -97,9 +102,78 @@ def test_a_group_cut_everywhere_is_dropped_and_nothing_is_trained(tmp_path):
     assert steps[0]["attempts_overlong_filtered"] == 4 * len(dropped)
 
 
+def runs(mask: np.ndarray) -> list[int]:
+    """The lengths of the runs of sampled tokens in a datum's mask: its actions, in order."""
+    sampled = np.flatnonzero(mask > 0)
+    cuts = np.flatnonzero(np.diff(sampled) > 1) + 1
+    return [len(r) for r in np.split(sampled, cuts)]
+
+
+@pytest.mark.parametrize(("length", "penalty"), [(0, 0.0), (16, 0.0), (17, -0.25), (18, -0.5), (20, -1.0),
+                                                  (25, -1.0)])
+def test_the_soft_overlong_punishment_is_dapos_piecewise_line(length, penalty):
+    # L_max = 20, L_cache = 4: nothing up to 16 tokens, then (16 - n) / 4, and -1 from 20 on.
+    assert overlong_penalty(length, 20, 4, 1.0) == penalty
+    assert overlong_penalty(length, 20, 4, 0.5) == penalty / 2
+    assert overlong_penalty(length, 20, 0, 1.0) == 0.0
+
+
+def test_a_multi_turn_trajectory_takes_the_penalty_of_its_longest_action():
+    def action(n: int) -> Transition:
+        return Transition(observation=Observation(prompt=ModelInput.from_ints([1])), reward=0.0, done=False,
+                          action=SampledSequence(stop_reason="stop", tokens_raw=array("i", [2] * n).tobytes(),
+                                                 logprobs_raw=array("f", [-0.5] * n).tobytes(),
+                                                 versions_raw=array("i", [0] * n).tobytes()))
+
+    trajectory = Trajectory(transitions=[action(3), action(19), action(10)])  # 32 tokens in all: each is capped
+    assert trajectory_overlong_penalty(trajectory, 20, 4, 1.0) == -0.75
+    assert trajectory_overlong_penalty(Trajectory(transitions=[]), 20, 4, 1.0) == 0.0
+
+
+def test_the_penalty_is_added_to_each_reward_before_the_advantages(tmp_path):
+    # The buffer is the last 2 of MAX_TOKENS = 5: an action of 4 tokens costs 0.25, one of 5 costs 0.5.
+    common = {"skip_constant_reward": False}  # every group trains, so every trajectory has a datum
+    _, plain_ledger, plain = run(tmp_path, "plain", **common)
+    steps, ledger, shaped = run(tmp_path, "shaped", overlong_buffer_len=2, overlong_buffer_penalty_factor=0.5,
+                                **common)
+    assert shaped.keys() == plain.keys()
+    expected = {(g, t): {3: 0.0, 4: -0.25, 5: -0.5}.get(max(runs(d.mask.to_numpy())), 0.0)
+                for (g, t, _), d in plain.items()}
+    assert {0.0, -0.25, -0.5} <= set(expected.values())
+    plain_rewards = {e["group"]: e["rewards"] for e in plain_ledger}
+    for e in ledger:
+        g = e["group"]
+        penalties = [expected[g, t] for t in range(4)]
+        assert e["overlong_penalties"] == penalties
+        np.testing.assert_allclose(e["rewards"], np.add(plain_rewards[g], penalties), rtol=0, atol=1e-12)
+        advantages = grpo(e["rewards"])
+        for t in range(4):
+            d = shaped[g, t, 0]
+            np.testing.assert_allclose(d.datum.loss_fn_inputs["advantages"].to_numpy(),
+                                       advantages[t] * d.mask.to_numpy(), rtol=1e-5, atol=1e-6)
+    for s in steps:
+        mine = [p for e in ledger if e["step"] == s["step"] for p in e["overlong_penalties"]]
+        assert s["overlong_penalty_mean"] == pytest.approx(float(np.mean(mine)))
+    # A replay of the dumps reproduces the column (the penalties travel in the step dumps).
+    replay = train(None, {"train_from": str(tmp_path / "shaped" / "dumps")}, run_dir=str(tmp_path / "replay"))
+    assert replay.error is None, replay.error
+    assert [s["overlong_penalty_mean"] for s in read_jsonl(replay.metrics_path)] == [
+        s["overlong_penalty_mean"] for s in steps]
+
+
 def test_the_overlong_settings_are_validated_naming_field_and_value(tmp_path):
     with pytest.raises(ConfigurationError, match="overlong_filtering='maybe'"):
         train("rl_sim:RECIPE", {"overlong_filtering": "maybe"}, run_dir=str(tmp_path / "a"))
     with pytest.raises(ConfigurationError, match="overlong_filtering=2: must be true or false"):
         TrainConfig(overlong_filtering=2)
-    assert not (tmp_path / "a").exists()
+    with pytest.raises(ConfigurationError, match="overlong_buffer_len=-1: must be an integer >= 0"):
+        TrainConfig(overlong_buffer_len=-1)
+    with pytest.raises(ConfigurationError, match="overlong_buffer_len=9: exceeds max_tokens=8"):
+        train("rl_sim:RECIPE", {"overlong_buffer_len": "9"}, run_dir=str(tmp_path / "b"))  # the recipe's max_tokens
+    with pytest.raises(ConfigurationError, match="overlong_buffer_len='long'"):
+        train("rl_sim:RECIPE", {"overlong_buffer_len": "long"}, run_dir=str(tmp_path / "c"))
+    for bad in (-0.5, float("nan"), True):
+        with pytest.raises(ConfigurationError, match=f"overlong_buffer_penalty_factor={bad!r}: must be a finite"):
+            TrainConfig(overlong_buffer_len=4, overlong_buffer_penalty_factor=bad)
+    assert TrainConfig(max_tokens=8, overlong_buffer_len=8).overlong_buffer_len == 8  # every token in the buffer
+    assert not any((tmp_path / d).exists() for d in "abc")
