@@ -53,6 +53,9 @@ class SimOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     batches: int = 20
     """Length of the training dataset."""
     gen_len: int = 4
+    gen_len_sigma: float = 0.0
+    """> 0: each answer's length is drawn, seeded by its request, from a lognormal of median
+    ``gen_len`` (an answer as long as its ``max_tokens`` ends there, stop reason ``length``)."""
     step_time_s: float = 0.0
     """Simulated backend time per step."""
     env_delay_s: float = 0.0
@@ -185,8 +188,10 @@ class SimRecipe(Recipe):
     Options = SimOptions
 
     def engine_config(self, config: TrainConfig, options: SimOptions) -> EngineConfig:
+        lengths: dict[str, Any] = {"gen_len_dist": "lognormal", "gen_len_sigma": options.gen_len_sigma} \
+            if options.gen_len_sigma > 0 else {}
         return EngineConfig(backend="sim", sim=SimConfig(vocab_size=VOCAB, gen_len=options.gen_len,
-                                                         step_time_s=options.step_time_s, seed=1))
+                                                         step_time_s=options.step_time_s, seed=1, **lengths))
 
     def datasets(self, config: TrainConfig, options: SimOptions) -> tuple[RLDataset, RLDataset | None]:
         return SimDataset(options, config.groups_per_batch, config.group_size), SimHeldOut(options)

@@ -6,7 +6,13 @@
   it is dropped (``constant_reward``) when so configured, since its
   advantages are all zero; otherwise each survivor gets the group-centred
   advantage ``r - mean(r)``, divided by ``std(r) + eps`` when normalising
-  (GRPO; population std over the survivors).
+  (GRPO; population std over the survivors). With ``overlong_filtering``
+  (DAPO) a survivor whose last action was cut by the token limit keeps its
+  reward in those statistics but is not kept for training; a group left with
+  nothing to train is dropped (``overlong``).
+* ``overlong_penalty`` is DAPO's soft overlong punishment of one answer,
+  ``trajectory_overlong_penalty`` that of a trajectory (its longest
+  action's); ``assess_group`` adds it to each reward before anything else.
 * ``trajectory_datums`` turns one trajectory into ``Datum``s for the
   ``importance_sampling`` / ``ppo`` / ``cispo`` losses: input tokens, next-token
   targets, the sampler's logprobs, the advantage on every sampled token
@@ -24,6 +30,7 @@ Pure functions over values; nothing here waits, samples or trains.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +38,8 @@ import numpy as np
 from rlengine.rl.types import Trajectory, TrajectoryGroup
 from rlengine.types import Datum, LogprobTransform, ModelInput
 
-__all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "trajectory_datums"]
+__all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "overlong_penalty",
+           "trajectory_datums", "trajectory_overlong_penalty"]
 
 
 class GroupVerdict(NamedTuple):
@@ -40,11 +48,15 @@ class GroupVerdict(NamedTuple):
     kept: list[int]
     advantages: list[float]
     rewards: list[float]
-    """Total reward of every surviving attempt (also for dropped groups: they are real samples)."""
+    """Total reward of every surviving attempt, its overlong penalty included (also for dropped
+    groups: they are real samples)."""
     dropped: str | None
-    """None, ``too_few_survivors`` or ``constant_reward``."""
+    """None, ``too_few_survivors``, ``constant_reward`` or ``overlong``."""
     failed: int
     """Attempts filtered out as failed."""
+    filtered: list[int]
+    """Survivors left out of the training as truncated (``overlong_filtering``); their rewards
+    are in ``rewards`` and in the advantages' statistics."""
 
 
 def group_advantages(rewards: np.ndarray, normalize: bool, eps: float = 1e-6) -> np.ndarray:
@@ -56,18 +68,44 @@ def group_advantages(rewards: np.ndarray, normalize: bool, eps: float = 1e-6) ->
     return centred
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment of an answer of ``length`` tokens: 0 up to
+    ``max_tokens - buffer_len`` tokens, then ``factor * ((max_tokens - buffer_len) - length) / buffer_len``,
+    down to ``-factor`` at ``max_tokens`` and beyond; 0 without a buffer."""
+    if buffer_len <= 0:
+        return 0.0
+    return factor * max(-1.0, min(0.0, ((max_tokens - buffer_len) - length) / buffer_len))
+
+
+def trajectory_overlong_penalty(trajectory: Trajectory, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """The penalty of a trajectory: that of its longest action (``max_tokens`` caps each action)."""
+    longest = max((t.action.length for t in trajectory.transitions), default=0)
+    return overlong_penalty(longest, max_tokens, buffer_len, factor)
+
+
 def assess_group(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_constant_reward: bool,
-                 normalize: bool) -> GroupVerdict:
+                 normalize: bool, overlong_filtering: bool = False,
+                 penalties: Sequence[float] | None = None) -> GroupVerdict:
+    """What becomes of ``group`` (see the module docstring); ``penalties``, one per trajectory,
+    are added to the rewards first."""
     totals = group.total_rewards()
+    if penalties is not None:
+        totals = [r + p for r, p in zip(totals, penalties, strict=True)]
     survivors = [i for i, t in enumerate(group.trajectories) if not t.failed]
     rewards = [totals[i] for i in survivors]
     failed = len(group.trajectories) - len(survivors)
     if len(survivors) < min_surviving_attempts or not survivors:
-        return GroupVerdict([], [], rewards, "too_few_survivors", failed)
+        return GroupVerdict([], [], rewards, "too_few_survivors", failed, [])
     if skip_constant_reward and max(rewards) == min(rewards):
-        return GroupVerdict([], [], rewards, "constant_reward", failed)
+        return GroupVerdict([], [], rewards, "constant_reward", failed, [])
     advantages = group_advantages(np.array(rewards), normalize)
-    return GroupVerdict(survivors, [float(a) for a in advantages], rewards, None, failed)
+    # Overlong filtering masks the loss of a truncated answer, not its place in the baseline:
+    # its reward says what a cut answer earns, its tokens would be trained on a reward the cut decided.
+    filtered = [i for i in survivors if overlong_filtering and group.trajectories[i].truncated]
+    kept = [(i, float(a)) for i, a in zip(survivors, advantages) if i not in filtered]
+    if not kept:
+        return GroupVerdict([], [], rewards, "overlong", failed, filtered)
+    return GroupVerdict([i for i, _ in kept], [a for _, a in kept], rewards, None, failed, filtered)
 
 
 def is_stale(oldest_version: int | None, current_version: int, max_steps_off_policy: int) -> bool:

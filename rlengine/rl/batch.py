@@ -7,8 +7,9 @@ the rollout groups as they arrive. Every group passes one intake
 recorded; a stale group comes back as a retry for the dataloader to
 re-issue, it is not trained), then failed attempts and
 ``min_surviving_attempts``, constant rewards, GRPO advantages, and the
-group's datums. With ``num_minibatches > 1`` (streaming) each minibatch
-goes to ``forward_backward`` as soon as it is complete; ``submit`` queues
+group's datums (``overlong_filtering`` leaves out, and counts, the attempts
+cut by the token limit). With ``num_minibatches > 1`` (streaming) each
+minibatch goes to ``forward_backward`` as soon as it is complete; ``submit`` queues
 the rest: one optimizer step, or ``num_substeps`` of them, each on a part
 of the batch. Outside streaming, the datums are put in group order first:
 groups arrive in the order their rollouts finish, and the training must not
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums
+from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums, trajectory_overlong_penalty
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
 from rlengine.rl.metrics import reward_stats
@@ -79,6 +80,8 @@ class StepBatch:
         """The run's policy version of an engine install counter value."""
         self.consumed = 0
         self.rewards: list[float] = []
+        self.overlong_penalties: list[float] = []
+        """With ``overlong_buffer_len``: the penalty in each of ``rewards``, aligned with it."""
         self.counts: Counter[str] = Counter()
         self.staleness: list[int] = []
         self.tokens = 0
@@ -124,8 +127,12 @@ class StepBatch:
             self.counts["groups_resampled_stale"] += 1
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
+        penalties = None if not cfg.overlong_buffer_len else [
+            trajectory_overlong_penalty(t, cfg.max_tokens, cfg.overlong_buffer_len, cfg.overlong_buffer_penalty_factor)
+            for t in group.trajectories]
         verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
-                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages)
+                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages,
+                               overlong_filtering=cfg.overlong_filtering, penalties=penalties)
         if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
                 and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
             # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
@@ -134,7 +141,11 @@ class StepBatch:
             return WorkItem(item.index, item.attempt + 1, item.builder)
         self.consumed += 1
         self.rewards += verdict.rewards
+        if penalties is not None:
+            entry["overlong_penalties"] = [p for p, t in zip(penalties, group.trajectories) if not t.failed]
+            self.overlong_penalties += entry["overlong_penalties"]
         self.counts["attempts_failed"] += verdict.failed
+        self.counts["attempts_overlong_filtered"] += len(verdict.filtered)
         for tag in group.tags:
             self.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
         for t in group.trajectories:
@@ -148,6 +159,8 @@ class StepBatch:
         entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
         if failures:
             entry["failures"] = failures
+        if verdict.filtered:
+            entry["overlong_filtered"] = verdict.filtered
         if verdict.dropped is not None:
             self.counts[f"groups_dropped_{verdict.dropped}"] += 1
             self.ledger.append({**entry, "disposition": f"dropped_{verdict.dropped}"})
@@ -288,7 +301,8 @@ class StepBatch:
                   for (g, t, j), d, m, v in zip(self.keys, self.datums, self.masks, self.versions)]
         return StepDump(format=FORMAT_VERSION, step=self.step, updates=self.updates, learning_rate=learning_rate,
                         calls=list(self.calls), datums=datums, groups=sorted(self.groups, key=lambda g: g.group),
-                        rewards=list(self.rewards), counts=dict(self.counts), staleness=list(self.staleness),
+                        rewards=list(self.rewards), overlong_penalties=list(self.overlong_penalties),
+                        counts=dict(self.counts), staleness=list(self.staleness),
                         tokens_sampled=self.tokens, env_metrics=self.env_metrics, tag_rewards=self.tag_rewards)
 
     @classmethod
@@ -297,6 +311,7 @@ class StepBatch:
         # Versions were converted when the step was dumped; a replayed step takes in no group.
         batch = cls(cfg, training, dump.step, dump.updates, policy_version=int)
         batch.rewards, batch.counts, batch.staleness = list(dump.rewards), Counter(dump.counts), list(dump.staleness)
+        batch.overlong_penalties = list(dump.overlong_penalties)
         batch.tokens, batch.env_metrics, batch.tag_rewards = dump.tokens_sampled, dump.env_metrics, dump.tag_rewards
         batch.consumed = sum(v for k, v in dump.counts.items()
                              if k.startswith("groups_") and not k.startswith("groups_resampled_"))
@@ -368,9 +383,11 @@ class StepBatch:
             "groups_trained": self.counts["groups_trained"],
             "groups_dropped_constant_reward": self.counts["groups_dropped_constant_reward"],
             "groups_dropped_too_few_survivors": self.counts["groups_dropped_too_few_survivors"],
+            "groups_dropped_overlong": self.counts["groups_dropped_overlong"],
             "groups_resampled_stale": self.counts["groups_resampled_stale"],
             "groups_resampled_constant": self.counts["groups_resampled_constant"],
             "attempts_failed": self.counts["attempts_failed"],
+            "attempts_overlong_filtered": self.counts["attempts_overlong_filtered"],
             **{f"attempts_failed_{kind}": self.counts[f"attempts_failed_{kind}"] for kind in FAILURE_KINDS},
             "datums": len(self.datums),
             "staleness_mean": float(np.mean(self.staleness)) if self.staleness else float("nan"),
@@ -379,6 +396,10 @@ class StepBatch:
             "step_time_s": wall, "train_time_s": train_time_s, "sampler_idle_frac": sampler_idle_frac,
             "time_s": time_s,
         }
+        if self.cfg.overlong_buffer_len:
+            # The rewards above include it: reward_mean - overlong_penalty_mean is the mean before shaping.
+            record["overlong_penalty_mean"] = (float(np.mean(self.overlong_penalties)) if self.overlong_penalties
+                                               else float("nan"))
         record |= {f"env/{k}": float(np.mean(v)) for k, v in sorted(self.env_metrics.items())}
         record |= {f"reward_mean/{k}": float(np.mean(v)) for k, v in sorted(self.tag_rewards.items())}
         return record

@@ -151,6 +151,9 @@ def _summary(outcome: Any, recipe: str) -> list[str]:
                      f"{s['groups_dropped_too_few_survivors']} too few survivors; re-sampled stale: "
                      f"{s['groups_resampled_stale']}, constant {s['groups_resampled_constant']}; failed attempts: {_failures(s)}; sampler idle "
                      f"{_fmt(100 * s['sampler_idle_frac_median'] if s.get('sampler_idle_frac_median') is not None else None, 0)}%")
+        if s.get("attempts_overlong_filtered"):
+            lines.append(f"  overlong filtered: {s['attempts_overlong_filtered']} attempts untrained, "
+                         f"{s.get('groups_dropped_overlong', 0)} groups with nothing left to train")
     lines.append(f"  run dir: {outcome.run_dir}" + ("  (reward curve: reward.png)" if outcome.png_path else ""))
     return lines
 

@@ -69,6 +69,22 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
     seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);
     its samples are logged (``resampled_constant`` in groups.jsonl), not trained. 0: off."""
+    overlong_filtering: bool = False
+    """DAPO's overlong filtering: a trajectory whose last action was cut by the token limit
+    (stop reason ``length``: it reached ``max_tokens``, not an end token or a stop string)
+    trains no token, while its reward still counts in its group's baseline (mean and std).
+    Counted per step (``attempts_overlong_filtered``); a group left with nothing to train is
+    dropped (``groups_dropped_overlong``)."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment (verl's ``overlong_buffer.len``; DAPO's L_cache): the last
+    this many tokens before ``max_tokens`` (L_max) are a buffer in which an answer of n tokens
+    adds ``overlong_buffer_penalty_factor * ((L_max - L_cache) - n) / L_cache`` to its
+    trajectory's reward, before advantages: 0 up to ``L_max - L_cache`` tokens, falling linearly
+    to ``-overlong_buffer_penalty_factor`` at L_max (and no lower). n is per action, since
+    ``max_tokens`` caps each action, not the episode: a multi-turn trajectory takes the penalty
+    of its longest action (a single-turn one, exactly DAPO's). 0: off."""
+    overlong_buffer_penalty_factor: float = 1.0
+    """verl's ``overlong_buffer.penalty_factor``: the penalty of an answer of ``max_tokens`` tokens."""
     kl_coef: float | None = None
     """A KL penalty to the reference policy (the initial weights), ``kl_coef * KL`` per sampled
     token (``rlengine.trainer.losses``); 0 measures it without penalising (``kl_ref_mean`` in
@@ -152,7 +168,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
             check_integer(name, getattr(self, name), minimum=1)
-        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts"):
+        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts",
+                     "overlong_buffer_len"):
             check_integer(name, getattr(self, name), minimum=0)
         if self.workers is not None:
             check_integer("workers", self.workers, minimum=1)
@@ -192,6 +209,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             raise ConfigurationError(f"num_minibatches={self.num_minibatches}: the recompute forward pass "
                                      f"(logprobs_source='trainer' or an importance-sampling correction) needs "
                                      "the whole batch; use num_substeps")
+        if self.overlong_buffer_len > self.max_tokens:
+            raise ConfigurationError(f"overlong_buffer_len={self.overlong_buffer_len}: exceeds max_tokens="
+                                     f"{self.max_tokens} (the buffer is the last tokens before the limit)")
+        check_number("overlong_buffer_penalty_factor", self.overlong_buffer_penalty_factor, minimum=0.0)
+        if not isinstance(self.overlong_filtering, bool):
+            raise ConfigurationError(f"overlong_filtering={self.overlong_filtering!r}: must be true or false")
         if self.kl_estimator not in (1, 2, 3) or isinstance(self.kl_estimator, bool):
             raise ConfigurationError(f"kl_estimator={self.kl_estimator!r}: must be 1, 2 or 3 (k1, k2, k3)")
         for name in ("beta1", "beta2"):
@@ -292,4 +315,7 @@ def convert(target: type[Any], values: dict[str, Any], what: str) -> Any:
     try:
         return msgspec.convert(decoded, target, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigurationError(f"{what}: {exc}") from None
+        # msgspec names the field (``... - at `$.key```); the message names its value too.
+        key = str(exc).rpartition("at `$.")[2].rstrip("`")
+        given = f" {key}={values[key]!r}:" if key in values else ""
+        raise ConfigurationError(f"{what}:{given} {exc}") from None

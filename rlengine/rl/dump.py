@@ -104,6 +104,8 @@ class StepDump(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     tokens_sampled: int
     env_metrics: dict[str, list[float]]
     tag_rewards: dict[str, list[float]]
+    overlong_penalties: list[float] = msgspec.field(default_factory=list)
+    """With ``overlong_buffer_len``: the overlong penalty in each of ``rewards`` (empty without)."""
 
 
 class _Head(msgspec.Struct):

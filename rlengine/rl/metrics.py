@@ -175,8 +175,8 @@ def summarize(run_dir: str, target: float) -> dict[str, Any]:
     out["step_to_target"] = reached["step"] if reached else None
     out["time_to_target_s"] = reached["time_s"] if reached else None
     out["time_s"] = steps[-1].get("time_s")
-    for key in ("groups_dropped_constant_reward", "groups_dropped_too_few_survivors", "groups_resampled_stale",
-                "groups_resampled_constant",
+    for key in ("groups_dropped_constant_reward", "groups_dropped_too_few_survivors", "groups_dropped_overlong",
+                "groups_resampled_stale", "groups_resampled_constant", "attempts_overlong_filtered",
                 "attempts_failed", *(f"attempts_failed_{kind}" for kind in FAILURE_KINDS)):
         out[key] = int(sum(s.get(key) or 0 for s in steps))
     idle = [s["sampler_idle_frac"] for s in steps if s.get("sampler_idle_frac") is not None]

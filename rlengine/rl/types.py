@@ -126,6 +126,12 @@ class Trajectory(msgspec.Struct, kw_only=True, frozen=True):
     def sampled_tokens(self) -> int:
         return sum(t.action.length for t in self.transitions)
 
+    @property
+    def truncated(self) -> bool:
+        """Its last action was cut by the token limit (stop reason ``length``: it reached its
+        ``max_tokens``, not an end token or a stop string)."""
+        return bool(self.transitions) and self.transitions[-1].action.stop_reason == "length"
+
     def versions(self) -> tuple[int, int] | None:
         """(oldest, newest) engine policy version of any sampled token; None without tokens."""
         lo = hi = None

@@ -179,6 +179,10 @@ class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     """Request ids (the segments' ``request_id``) of turns sampled under a constraint
     (forced tool calls, a JSON response): their logprobs are of the masked
     distribution the constrained sampler drew from, not of the model's own."""
+    stops: list[dict[int, str]] = msgspec.field(default_factory=list)
+    """Per trajectory: how each sampled completion on it ended, as the engine said (``stop``: an
+    end token or a stop string; ``length``: the ``max_tokens`` limit), by the position where
+    its tokens end (tokens from the root)."""
 
 
 class Session:
@@ -194,6 +198,7 @@ class Session:
         "rewards",
         "root",
         "session_id",
+        "stops",
         "tainted",
         "token",
         "turns",
@@ -207,6 +212,8 @@ class Session:
         self.boundaries: dict[tuple[bytes, bool], Boundary] = {(b"", False): Boundary(root, 0, False, "")}
         self.leaf: int | None = None
         self.rewards: dict[int, float] = {}
+        self.stops: dict[int, str] = {}
+        """The handle where each sampled completion's tokens end -> its stop reason."""
         self.in_flight: dict[str, int] = {}
         """request id -> replica, for turns not yet settled."""
         self.unknown_leases: list[tuple[int, int]] = []
@@ -626,7 +633,7 @@ class SessionManager:
         session.boundaries[(keys[-1], True)] = Boundary(prompt_end, len(msgs), True, "")
         choices = []
         for seq in resp.sequences:
-            leaf = self._append_sampled(sid, seq, request_id, prompt_end)
+            leaf = self._append_sampled(session, seq, request_id, prompt_end)
             content, calls, cut = self._reply(seq, params, parser, one_tool_call)
             # The assistant message as the client will send it back with its history.
             reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
@@ -650,16 +657,20 @@ class SessionManager:
         prompt_end = store.append_turn(sid, prompt, kind=kind).handle
         choices = []
         for seq in resp.sequences:
-            session.leaf = self._append_sampled(sid, seq, request_id, prompt_end)
+            session.leaf = self._append_sampled(session, seq, request_id, prompt_end)
             choices.append(self._choice(seq, None, None))
         session.turns += 1
         return choices
 
-    def _append_sampled(self, sid: str, seq: Any, request_id: str, parent: int) -> int:
+    def _append_sampled(self, session: Session, seq: Any, request_id: str, parent: int) -> int:
         if not seq.tokens_raw:
             return parent
-        return self.store.append_turn(sid, seq.tokens_raw, seq.logprobs_raw, seq.versions_raw, kind="sampled",
-                                      request_id=request_id, parent=parent).handle
+        end = self.store.append_turn(session.session_id, seq.tokens_raw, seq.logprobs_raw, seq.versions_raw,
+                                     kind="sampled", request_id=request_id, parent=parent).handle
+        # The trie keeps tokens, not how their generation ended; training needs to know
+        # (a completion cut at max_tokens is filtered or penalised as overlong).
+        session.stops[end] = seq.stop_reason
+        return end
 
     def abandon(self, request_id: str, reason: str, *, output_sent: bool = False) -> None:
         """The client of turn ``request_id`` went away before its reply (see the module docstring).
@@ -743,7 +754,11 @@ class SessionManager:
     def _export(self, session: Session) -> SessionTrace:
         trajectories = self.store.export(session.session_id)
         latest = next((i for i, t in enumerate(trajectories) if t.leaf == session.leaf), None)
+        stops = []
+        for t in trajectories:
+            ends = self.store.on_path(session.session_id, t.leaf, session.stops)
+            stops.append({depth: session.stops[handle] for handle, depth in ends.items()})
         return SessionTrace(session_id=session.session_id, trajectories=trajectories, latest=latest,
                             rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
-                            constrained=frozenset(session.constrained), tainted=session.tainted)
+                            constrained=frozenset(session.constrained), tainted=session.tainted, stops=stops)
 

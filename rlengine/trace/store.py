@@ -36,7 +36,7 @@ conversation into Python lists: tokens stay int32 buffers end to end.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -188,6 +188,21 @@ class TraceStore:
     def depth(self, session: str, handle: int) -> int:
         s = self._session(session)
         return self._trie.depth(self._position(s, handle, "handle"))
+
+    def on_path(self, session: str, handle: int, marked: Container[int]) -> dict[int, int]:
+        """Of the ``marked`` handles of ``session``, those on the path from its root to ``handle``
+        (``handle`` included), each with its depth: where on that path each marked position lies.
+
+        A handle names one position for as long as it lives, whatever edges later splits
+        made, so a position marked when a turn was stored is found on every branch through it."""
+        s = self._session(session)
+        at: int | None = self._position(s, handle, "handle")
+        found: dict[int, int] = {}
+        while at is not None and at != s.root:
+            if at in marked:
+                found[at] = self._trie.depth(at)
+            at = self._trie.parent(at)
+        return found
 
     # -- export and drop ------------------------------------------------------
 

@@ -13,22 +13,24 @@ from rlengine.rl.types import AttemptFailure, Observation, Trajectory, Trajector
 from rlengine.types import ModelInput, SampledSequence
 
 
-def seq(tokens: list[int], logprobs: list[float] | None = None, version: int = 1) -> SampledSequence:
+def seq(tokens: list[int], logprobs: list[float] | None = None, version: int = 1,
+        stop_reason: str = "stop") -> SampledSequence:
     logprobs = logprobs or [-0.5] * len(tokens)
-    return SampledSequence(stop_reason="stop", tokens_raw=array("i", tokens).tobytes(),
+    return SampledSequence(stop_reason=stop_reason, tokens_raw=array("i", tokens).tobytes(),
                            logprobs_raw=array("f", logprobs).tobytes(),
                            versions_raw=array("i", [version] * len(tokens)).tobytes())
 
 
-def traj(reward: float, failed: bool = False, version: int = 1) -> Trajectory:
-    t = Transition(observation=Observation(prompt=ModelInput.from_ints([1, 2])), action=seq([3, 4], version=version),
-                   reward=reward, done=True)
+def traj(reward: float, failed: bool = False, version: int = 1, cut: bool = False) -> Trajectory:
+    t = Transition(observation=Observation(prompt=ModelInput.from_ints([1, 2])),
+                   action=seq([3, 4], version=version, stop_reason="length" if cut else "stop"), reward=reward, done=True)
     failure = AttemptFailure(stage="step", error="ConnectionError", message="gone", turn=0) if failed else None
     return Trajectory(transitions=[] if failed else [t], failure=failure)
 
 
-def group(rewards: list[float], failed: tuple[int, ...] = (), bonus: list[float] | None = None) -> TrajectoryGroup:
-    return TrajectoryGroup(trajectories=[traj(r, i in failed) for i, r in enumerate(rewards)],
+def group(rewards: list[float], failed: tuple[int, ...] = (), bonus: list[float] | None = None,
+          cut: tuple[int, ...] = ()) -> TrajectoryGroup:
+    return TrajectoryGroup(trajectories=[traj(r, i in failed, cut=i in cut) for i, r in enumerate(rewards)],
                            group_rewards=bonus or [0.0] * len(rewards))
 
 
@@ -71,6 +73,23 @@ def test_constant_reward_is_dropped_only_when_configured():
         == "constant_reward"
     kept = assess_group(g, min_surviving_attempts=1, skip_constant_reward=False, normalize=True)
     assert kept.dropped is None and kept.advantages == [0.0, 0.0, 0.0]
+
+
+def test_overlong_filtering_keeps_a_cut_attempts_reward_in_the_baseline_and_leaves_it_out_of_training():
+    g = group([1.0, 0.0, 0.5, 0.25], failed=(1,), cut=(0, 3))
+    plain = assess_group(g, min_surviving_attempts=2, skip_constant_reward=True, normalize=True)
+    assert plain.kept == [0, 2, 3] and plain.filtered == []
+    v = assess_group(g, min_surviving_attempts=2, skip_constant_reward=True, normalize=True, overlong_filtering=True)
+    assert v.dropped is None and v.failed == 1 and v.filtered == [0, 3] and v.kept == [2]
+    assert v.rewards == [1.0, 0.5, 0.25]
+    np.testing.assert_allclose(v.advantages, reference_advantages([1.0, 0.5, 0.25], True)[1:2])
+    everywhere = assess_group(group([1.0, 0.0], cut=(0, 1)), min_surviving_attempts=1, skip_constant_reward=True,
+                              normalize=True, overlong_filtering=True)
+    assert everywhere.dropped == "overlong" and everywhere.kept == [] and everywhere.filtered == [0, 1]
+    # A constant group is dropped as such before anything is filtered.
+    constant = assess_group(group([0.5, 0.5], cut=(0,)), min_surviving_attempts=1, skip_constant_reward=True,
+                            normalize=True, overlong_filtering=True)
+    assert constant.dropped == "constant_reward" and constant.filtered == []
 
 
 @pytest.mark.parametrize(("oldest", "current", "k", "stale"), [

@@ -16,6 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from serving import WAIT, Served, sim_config
 
 from rlengine.backends.torch.models import prepare_char_model
 from rlengine.core.config import EngineConfig
@@ -26,6 +27,7 @@ from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.recipes.guess_sandbox import ALPHABET, HIGHER, LOWER, START, digit
 from rlengine.rl.run import train
 from rlengine.rl.sandbox import SandboxError, SandboxPool, SessionEnv, session_trajectory
+from rlengine.sandbox_client import Client
 from rlengine.serve.server import ServeConfig, Server
 from rlengine.serve.sessions import SessionTrace
 from rlengine.trace.trajectory import Trajectory as TracedPath
@@ -84,6 +86,33 @@ def test_branches_train_each_sampled_token_once_or_only_the_latest_branch():
     last = session_trajectory(trace, 1.0, branches="last")
     assert [tr.action.tokens for tr in last.transitions] == [[2], [6, 7]]
     assert [d.mask.tolist() for d in trajectory_datums(last, 0.5, with_mask=False)] == [[1, 0, 1, 1]]
+
+
+def test_each_traced_action_says_how_the_engine_ended_its_completion():
+    # Every action of a session trace used to say "length", so overlong filtering dropped them all.
+    served = Served([sim_config(gen_len=3)], ServeConfig(http=False))
+    try:
+        with Client(served.ipc_path, timeout=WAIT) as c:
+            s = c.open_session()
+            ended = s.generate([5, 6], max_tokens=8, seed=1).choices[0]  # its 3 tokens, then its end
+            e = ended.tokens
+            cut = s.generate([5, 6, *e, 9], max_tokens=2, seed=2).choices[0]  # cut at max_tokens
+            retry = s.generate([5, 6], max_tokens=2, seed=3).choices[0]  # a branch after the first prompt
+            # A history cut inside the first completion, then a turn: the latest branch.
+            edited = s.generate([5, 6, e[0], 7], max_tokens=2, seed=4).choices[0]
+            s.reward(1.0)
+        trace = served.on_loop(served.sessions.collect, s.session_id)
+    finally:
+        served.close()
+    assert [x.stop_reason for x in (ended, cut, retry, edited)] == ["stop", "length", "length", "length"]
+    assert e[0] != retry.tokens[0]  # three branches: the seeds give the retry other tokens
+    every = session_trajectory(trace, 1.0, branches="all")
+    assert sorted((tr.action.tokens, tr.action.stop_reason) for tr in every.transitions) == sorted(
+        [(e, "stop"), (cut.tokens, "length"), (retry.tokens, "length"), (edited.tokens, "length")])
+    # The latest branch starts with the first completion's first token, where no completion ended.
+    last = session_trajectory(trace, 1.0, branches="last")
+    assert [(tr.action.tokens, tr.action.stop_reason) for tr in last.transitions] == [
+        ([e[0]], "stop"), (edited.tokens, "length")]
 
 
 WORKER = textwrap.dedent("""

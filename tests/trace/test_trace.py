@@ -138,6 +138,24 @@ def test_divergent_history_branches_at_the_divergence_point(store):
     assert [t.shared_prefix for t in store.export("s")] == [0, 24, 0]
 
 
+def test_marked_positions_are_found_on_every_path_through_them_after_splits(store):
+    t1 = store.append_turn("s", i32(1, 2))
+    t2 = store.append_turn("s", i32(5, 6, 7), f32(-1, -1, -1), i32(0, 0, 0), kind="sampled", parent=t1.handle)
+    t3 = store.append_turn("s", i32(9), kind="environment", parent=t2.handle)
+    t4 = store.append_turn("s", i32(8), f32(-1), i32(0), kind="sampled", parent=t3.handle)
+    # A resent history cut inside the first completion splits its edge: the marks stay where they were.
+    b1 = store.append_turn("s", i32(1, 2, 5, 4))
+    b2 = store.append_turn("s", i32(3), f32(-1), i32(0), kind="sampled", parent=b1.handle)
+    marked = {t2.handle, t4.handle, b2.handle}
+    old, new = store.export("s")
+    assert store.on_path("s", old.leaf, marked) == {t2.handle: 5, t4.handle: 7}
+    assert store.on_path("s", new.leaf, marked) == {b2.handle: 5}
+    assert store.on_path("s", t3.handle, marked) == {t2.handle: 5}
+    assert store.on_path("s", t1.handle, marked) == {}
+    with pytest.raises(InvalidRequest, match="another session"):
+        store.on_path("s", store.append_turn("other", i32(1)).handle, marked)
+
+
 def test_longest_prefix_from_a_parent(store):
     t1 = store.append_turn("s", i32(1, 2, 3))
     t2 = store.append_turn("s", i32(4, 5, 6), parent=t1.handle)
