@@ -433,23 +433,27 @@ def session_trajectory(trace: Any, reward: float, metrics: dict[str, float] | No
     says, ``reward`` and ``metrics`` on the last transition. Each action's stop reason is the
     engine's for the completion that ends where the run ends (``SessionTrace.stops``); a run
     that ends where no completion did (the client resent a history cut inside one) was not
-    cut by the token limit, and says ``stop``."""
+    cut by the token limit, and says ``stop``. Its logprobs' transform is likewise the
+    completion's (``SessionTrace.transforms``), so processed logprobs train under it."""
     paths = trace.trajectories
     if not paths:
         raise SandboxError(f"session {trace.session_id}: the agent made no turn")
     latest = trace.latest if trace.latest is not None else len(paths) - 1
     chosen = [(latest, 0)] if branches == "last" else [(i, p.shared_prefix) for i, p in enumerate(paths)]
     stops: list[dict[int, str]] = trace.stops
+    transforms: list[dict[int, Any]] = trace.transforms
     transitions: list[Transition] = []
     for index, start in chosen:
         path = paths[index]
         ends = stops[index] if index < len(stops) else {}
+        processed = transforms[index] if index < len(transforms) else {}
         tokens, logprobs, versions = path.tokens, path.logprobs, path.versions
         for a, b in _runs(path.loss_mask, start):
             action = SampledSequence(stop_reason=ends.get(b, "stop"),
                                      tokens_raw=tokens[a:b].astype(np.int32).tobytes(),
                                      logprobs_raw=logprobs[a:b].astype(np.float32).tobytes(),
-                                     versions_raw=versions[a:b].astype(np.int32).tobytes())
+                                     versions_raw=versions[a:b].astype(np.int32).tobytes(),
+                                     logprobs_transform=processed.get(b))
             transitions.append(Transition(observation=Observation(prompt=ModelInput.from_ints(tokens[:a])),
                                           action=action, reward=0.0, done=False))
     if not transitions:

@@ -89,7 +89,7 @@ from rlengine.render import (
 from rlengine.serve.router import SessionRouter
 from rlengine.tool_parsers import ToolCall, ToolParser
 from rlengine.trace import TraceStore, Trajectory
-from rlengine.types import ModelInput, SampleResponse, SamplingParams
+from rlengine.types import LogprobTransform, ModelInput, SampleResponse, SamplingParams
 
 __all__ = ["MAX_SAMPLES", "Retention", "Session", "SessionManager", "SessionTrace", "ToolUse", "TurnResult"]
 
@@ -183,6 +183,9 @@ class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     """Per trajectory: how each sampled completion on it ended, as the engine said (``stop``: an
     end token or a stop string; ``length``: the ``max_tokens`` limit), by the position where
     its tokens end (tokens from the root)."""
+    transforms: list[dict[int, LogprobTransform]] = msgspec.field(default_factory=list)
+    """Per trajectory, likewise: the sampling transform of each completion on it whose logprobs
+    are processed (``SampledSequence.logprobs_transform``); a completion not here has raw ones."""
 
 
 class Session:
@@ -201,6 +204,7 @@ class Session:
         "stops",
         "tainted",
         "token",
+        "transforms",
         "turns",
         "unknown_leases",
     )
@@ -214,6 +218,8 @@ class Session:
         self.rewards: dict[int, float] = {}
         self.stops: dict[int, str] = {}
         """The handle where each sampled completion's tokens end -> its stop reason."""
+        self.transforms: dict[int, LogprobTransform] = {}
+        """Likewise -> the transform of its logprobs, for completions with processed ones."""
         self.in_flight: dict[str, int] = {}
         """request id -> replica, for turns not yet settled."""
         self.unknown_leases: list[tuple[int, int]] = []
@@ -670,6 +676,8 @@ class SessionManager:
         # The trie keeps tokens, not how their generation ended; training needs to know
         # (a completion cut at max_tokens is filtered or penalised as overlong).
         session.stops[end] = seq.stop_reason
+        if seq.logprobs_transform is not None:  # and which logprob it recorded, for the trainer's transform
+            session.transforms[end] = seq.logprobs_transform
         return end
 
     def abandon(self, request_id: str, reason: str, *, output_sent: bool = False) -> None:
@@ -754,11 +762,14 @@ class SessionManager:
     def _export(self, session: Session) -> SessionTrace:
         trajectories = self.store.export(session.session_id)
         latest = next((i for i, t in enumerate(trajectories) if t.leaf == session.leaf), None)
-        stops = []
+        stops, transforms = [], []
         for t in trajectories:
             ends = self.store.on_path(session.session_id, t.leaf, session.stops)
             stops.append({depth: session.stops[handle] for handle, depth in ends.items()})
+            transforms.append({depth: session.transforms[handle] for handle, depth in ends.items()
+                               if handle in session.transforms})
         return SessionTrace(session_id=session.session_id, trajectories=trajectories, latest=latest,
                             rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
-                            constrained=frozenset(session.constrained), tainted=session.tainted, stops=stops)
+                            constrained=frozenset(session.constrained), tainted=session.tainted, stops=stops,
+                            transforms=transforms)
 

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from serving import Served
 
 import rlengine as rle
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.rl.advantages import trajectory_datums
 from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.run import train
+from rlengine.rl.sandbox import session_trajectory
 from rlengine.rl.types import Observation, Trajectory, Transition
+from rlengine.sandbox_client import Client
+from rlengine.serve.server import ServeConfig
 from rlengine.types import LogprobTransform
 
 WAIT = 300.0
@@ -82,12 +86,10 @@ def test_the_mode_is_per_request_with_the_engines_as_default_and_refused_where_u
     assert greedy.sequences[0].logprobs_transform is None  # a greedy draw has no distribution to process
     with pytest.raises(InvalidRequest, match="logprobs_mode"):
         rle.SamplingParams(logprobs_mode="tempered")
-    with rle.Engine(engine_config("sim")) as sim:
-        with pytest.raises(InvalidRequest, match="sampling_params.logprobs_mode"):
-            sim.sampling_client().sample(PROMPT, 1, rle.SamplingParams(max_tokens=2, logprobs_mode="processed"))
-    with pytest.raises(ConfigurationError, match="logprobs_mode"):
-        with rle.Engine(engine_config("sim", logprobs_mode="processed")):
-            pass
+    with rle.Engine(engine_config("sim")) as sim, pytest.raises(InvalidRequest, match="sampling_params.logprobs_mode"):
+        sim.sampling_client().sample(PROMPT, 1, rle.SamplingParams(max_tokens=2, logprobs_mode="processed"))
+    with pytest.raises(ConfigurationError, match="logprobs_mode"), rle.Engine(engine_config("sim", logprobs_mode="processed")):
+        pass
 
 
 def run(tmp_path, model_cache, name, **overrides):
@@ -131,3 +133,27 @@ def test_a_correction_runs_its_recompute_and_reports_what_it_cut(tmp_path, model
                        ({"tis_cap": 2.0, "num_minibatches": 2}, "num_minibatches")):
         with pytest.raises(ConfigurationError, match=field):
             train("copy", {"steps": 1, **bad}, run_dir=str(tmp_path / "bad"))
+
+
+def test_a_session_trace_keeps_each_completions_transform_for_training(model_cache):
+    config = rle.EngineConfig(backend="torch", model="tiny", model_name="tiny", cache_dir=model_cache,
+                              logprobs_mode="processed")
+    served = Served([config], ServeConfig(http=False))
+    try:
+        with Client(served.ipc_path, timeout=WAIT) as c:
+            s = c.open_session()
+            hot = s.generate([5, 6], max_tokens=3, temperature=0.7, top_k=40, seed=1).choices[0]
+            plain = s.generate([5, 6, *hot.tokens, 9], max_tokens=3, temperature=1.0, seed=2).choices[0]
+            s.reward(1.0)
+        trace = served.on_loop(served.sessions.collect, s.session_id)
+    finally:
+        served.close()
+    actions = [t.action for t in session_trajectory(trace, 1.0).transitions]
+    assert [a.tokens for a in actions] == [hot.tokens, plain.tokens]
+    assert actions[0].logprobs_transform == LogprobTransform(temperature=0.7, top_k=40)
+    assert actions[1].logprobs_transform is None  # temperature 1, no filter: the model's own distribution
+    t = Trajectory(transitions=session_trajectory(trace, 1.0).transitions)
+    (d, mask, _), = trajectory_datums(t, 1.0, with_mask=False)
+    sampled = np.flatnonzero(mask)
+    assert d.loss_fn_inputs["temperature"].to_numpy()[sampled].tolist() == [np.float32(0.7)] * 3 + [1.0] * 3
+    assert d.loss_fn_inputs["top_k"].to_numpy()[sampled].tolist() == [40.0] * 3 + [0.0] * 3
