@@ -82,6 +82,14 @@ cap) and ``is_masked:sum`` (tokens zeroed by MIS, IcePop or the geometric
 mask). Asymmetric clipping (DAPO's clip-higher) is ``ppo`` with
 ``clip_high_threshold`` above ``2 - clip_low_threshold`` (e.g. 0.8 / 1.28).
 
+**Mismatch diagnostics.** Every loss with a ``logprobs`` input also reports,
+over its action tokens, ``d = logprobs - logp`` (sampler minus trainer):
+``mismatch_k1:sum`` (sum of d), ``mismatch_k3:sum`` (sum of ``exp(-d) - 1 +
+d``), ``mismatch_tokens:sum``, and ``mismatch_ratio:min`` / ``:max`` of
+``exp(-d)``; the SDK reduces chunks by each key's suffix. Before the first
+update of a batch they measure sampler-vs-trainer mismatch; after it, also
+the learning.
+
 ``validate_data`` runs on the loop thread before anything is queued and
 raises ``InvalidRequest`` naming the datum and field.
 """
@@ -96,8 +104,22 @@ import numpy as np
 from rlengine.errors import InvalidRequest
 from rlengine.types import LOSS_FNS, Datum
 
-__all__ = ["CORRECTION_KEYS", "KL_ESTIMATORS", "REQUIRED_INPUTS", "TRANSFORM_INPUTS", "LossSettings", "as_settings",
-           "clip_thresholds", "correction_weights", "elementwise", "loss_settings", "reference_kl", "validate_data"]
+__all__ = [
+    "CORRECTION_KEYS",
+    "KL_ESTIMATORS",
+    "REQUIRED_INPUTS",
+    "TRANSFORM_INPUTS",
+    "LossSettings",
+    "as_settings",
+    "clip_thresholds",
+    "correction_weights",
+    "elementwise",
+    "loss_settings",
+    "mismatch_metrics",
+    "mismatch_sums",
+    "reference_kl",
+    "validate_data",
+]
 
 KL_ESTIMATORS = (1, 2, 3)
 
@@ -213,6 +235,31 @@ def _corrections(loss_fn: str, config: dict[str, Any]) -> tuple[tuple[str, float
             raise InvalidRequest("loss_fn_config", {low: config[low], high: config[high]},
                                  f"needs {low} <= 1 <= {high}")
     return tuple((key, float(config[key])) for key in given)
+
+
+def mismatch_sums(logp: np.ndarray, inputs: dict[str, np.ndarray]) -> dict[str, float]:
+    """One datum's mismatch diagnostics (module docstring); empty without ``logprobs`` or action tokens."""
+    if "logprobs" not in inputs:
+        return {}
+    action = inputs["mask"] > 0 if "mask" in inputs else inputs.get("advantages", np.ones(1)) != 0
+    action = np.broadcast_to(action, logp.shape)
+    if not action.any():
+        return {}
+    d = inputs["logprobs"].astype(np.float64)[action] - logp.astype(np.float64)[action]
+    r = np.exp(-d)
+    return {"mismatch_k1": float(d.sum()), "mismatch_k3": float((r - 1.0 + d).sum()),
+            "mismatch_tokens": float(d.size), "mismatch_ratio_min": float(r.min()),
+            "mismatch_ratio_max": float(r.max())}
+
+
+def mismatch_metrics(sums: list[dict[str, float]]) -> dict[str, float]:
+    """The datums' ``mismatch_sums`` as ``ForwardBackwardOutput.metrics`` keys."""
+    if not sums:
+        return {}
+    out = {f"{key}:sum": math.fsum(s[key] for s in sums) for key in ("mismatch_k1", "mismatch_k3", "mismatch_tokens")}
+    out["mismatch_ratio:min"] = min(s["mismatch_ratio_min"] for s in sums)
+    out["mismatch_ratio:max"] = max(s["mismatch_ratio_max"] for s in sums)
+    return out
 
 
 def correction_weights(inputs: dict[str, np.ndarray], settings: LossSettings) -> tuple[np.ndarray, dict[str, float]]:

@@ -27,7 +27,15 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from rlengine.errors import InvalidRequest
-from rlengine.trainer.losses import TRANSFORM_INPUTS, as_settings, correction_weights, elementwise, reference_kl
+from rlengine.trainer.losses import (
+    TRANSFORM_INPUTS,
+    as_settings,
+    correction_weights,
+    elementwise,
+    mismatch_metrics,
+    mismatch_sums,
+    reference_kl,
+)
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 if TYPE_CHECKING:
@@ -66,6 +74,7 @@ class SimTrainer:
         total = 0.0
         entropy_total = kl_total = 0.0
         corrected: Counter[str] = Counter()
+        mismatch: list[dict[str, float]] = []
         outputs = []
         grad = np.zeros_like(self.theta)
         for datum in data:
@@ -76,6 +85,8 @@ class SimTrainer:
                                      "the sim trainer computes raw logprobs only (no sampling transform)")
             logp = logp_all[targets]
             loss, dlogp = elementwise(loss_fn, logp, inputs, settings)
+            if (sums := mismatch_sums(logp, inputs)):
+                mismatch.append(sums)
             weights, counts = correction_weights(inputs, settings)
             loss, dlogp = loss * weights, dlogp * weights
             for key, value in counts.items():
@@ -103,6 +114,7 @@ class SimTrainer:
         if settings.kl_coef is not None:
             metrics["kl_ref:sum"] = kl_total
         metrics |= {f"{key}:sum": value for key, value in corrected.items()}
+        metrics |= mismatch_metrics(mismatch)
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:

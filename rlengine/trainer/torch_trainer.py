@@ -54,6 +54,8 @@ from rlengine.trainer.losses import (
     as_settings,
     correction_weights,
     elementwise,
+    mismatch_metrics,
+    mismatch_sums,
     reference_kl,
     validate_data,
 )
@@ -191,6 +193,7 @@ class TorchTrainer:
         total = 0.0
         entropy_total = kl_total = 0.0
         corrected: Counter[str] = Counter()
+        mismatch: list[dict[str, float]] = []
         for group in self._micro_batches(data):
             batch = [data[i] for i in group]
             with torch.set_grad_enabled(backward):
@@ -203,6 +206,8 @@ class TorchTrainer:
                 n = datum.model_input.length
                 inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
                 loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, settings)
+                if (sums := mismatch_sums(logp_np[offset:offset + n], inputs)):
+                    mismatch.append(sums)
                 weights, counts = correction_weights(inputs, settings)
                 loss, dlogp = loss * weights, dlogp * weights
                 for key, value in counts.items():
@@ -235,6 +240,7 @@ class TorchTrainer:
         if settings.kl_coef is not None:
             metrics["kl_ref:sum"] = kl_total
         metrics |= {f"{key}:sum": value for key, value in corrected.items()}
+        metrics |= mismatch_metrics(mismatch)
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...]) -> ForwardBackwardOutput:

@@ -131,6 +131,11 @@ def _assert_same(sdk, local) -> None:
         for g, w in zip(_outputs(got), _outputs(want), strict=True):
             np.testing.assert_array_equal(g, w)
     assert step1.metrics == l_step1.metrics and step2.metrics == l_step2.metrics
+    # The sampler-vs-trainer diagnostics ride in the metrics, reduced by their suffixes.
+    d = np.concatenate([x.loss_fn_inputs["logprobs"].to_numpy() - o for x, o in zip(_is_data(False), _outputs(fb_is))])
+    assert fb_is.metrics["mismatch_k1:sum"] == pytest.approx(float(d.sum()), rel=1e-5)
+    assert fb_is.metrics["mismatch_tokens:sum"] == d.size
+    assert fb_is.metrics["mismatch_ratio:max"] == pytest.approx(float(np.exp(-d).max()), rel=1e-5)
     assert step1.metrics["grad_norm"] > 0
     # Training moved the model: the same batch's loss went down.
     assert after.metrics["loss:sum"] < fb_ce.metrics["loss:sum"]

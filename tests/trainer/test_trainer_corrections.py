@@ -169,3 +169,20 @@ def test_torch_trainer_logprobs_under_a_sampling_transform_match_numpy(tiny_mode
     ident = trainer.forward([datum(seq, temperature=[1.0] * 7, top_k=[0] * 7, top_p=[1.0] * 7)], "cross_entropy",
                             (0.0, math.inf)).loss_fn_outputs[0]["logprobs"].to_numpy()
     assert np.array_equal(raw, ident) and not np.allclose(raw, got, atol=1e-3)
+
+
+def test_every_ratio_loss_reports_the_mismatch_of_its_action_tokens():
+    trainer = SimTrainer(rle.SimConfig(vocab_size=V, seed=2))
+    logp = trainer._log_softmax()
+    seq = [0, 3, 5, 7, 9]
+    sampler = logp[seq[1:]] + np.array([0.1, -0.2, 0.0, 0.3])
+    adv = [1.0, 0.0, -1.0, 2.0]  # the second token is no action (zero advantage)
+    out = trainer.forward([datum(seq, logprobs=sampler, advantages=adv)], "ppo", loss_settings("ppo", None))
+    d = np.array([0.1, 0.0, 0.3])
+    assert out.metrics["mismatch_k1:sum"] == pytest.approx(d.sum(), abs=1e-6)
+    assert out.metrics["mismatch_k3:sum"] == pytest.approx(float((np.exp(-d) - 1 + d).sum()), abs=1e-6)
+    assert out.metrics["mismatch_tokens:sum"] == 3.0
+    assert (out.metrics["mismatch_ratio:min"], out.metrics["mismatch_ratio:max"]) == pytest.approx(
+        (math.exp(-0.3), 1.0), abs=1e-6)
+    ce = trainer.forward([datum(seq, weights=[1.0] * 4)], "cross_entropy", (0.0, math.inf))
+    assert not any(key.startswith("mismatch") for key in ce.metrics)  # no sampler logprobs, no diagnostics
