@@ -28,8 +28,8 @@ _EXPORTS: dict[str, str] = {
         "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "RequestAborted", "RequestError",
         "RequestTimeout", "RLEngineError")},
     **{name: "rlengine.types" for name in (
-        "AdamParams", "Datum", "ForwardBackwardOutput", "LoadWeightsResponse", "ModelInput", "OptimStepResponse",
-        "Receipt", "SampledSequence", "SampleResponse", "SamplingParams", "SaveWeightsForSamplerResponse",
+        "AdamParams", "Datum", "ForwardBackwardOutput", "LoadWeightsResponse", "LogprobTransform", "ModelInput",
+        "OptimStepResponse", "Receipt", "SampledSequence", "SampleResponse", "SamplingParams", "SaveWeightsForSamplerResponse",
         "SaveWeightsResponse", "TensorData", "UnloadModelResponse")},
 }
 
@@ -55,7 +55,7 @@ __all__ = [
     "AdamParams", "BackendRequestError", "ConfigurationError", "ContextLengthExceeded", "Datum", "DrainTimeout",
     "Engine",
     "EngineClosed", "EngineConfig", "EngineDeadError", "ForwardBackwardOutput", "GateError", "GatePoisoned",
-    "InvalidRequest", "Lease", "LoadWeightsResponse", "ModelInput", "ModelNotLoaded", "OptimStepResponse",
+    "InvalidRequest", "Lease", "LoadWeightsResponse", "LogprobTransform", "ModelInput", "ModelNotLoaded", "OptimStepResponse",
     "RLEngineError", "Receipt", "RequestAborted", "RequestError", "RequestFuture", "RequestTimeout",
     "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse",
     "SaveWeightsResponse", "SimConfig", "TensorData", "TrainingClient", "UnloadModelResponse", "__version__",

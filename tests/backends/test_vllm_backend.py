@@ -174,3 +174,30 @@ def test_sleep_is_a_capability_flag_not_a_silent_noop(engines):
 def test_engine_args_pass_through_and_bad_ones_are_typed(engine_config):
     with pytest.raises(rle.ConfigurationError, match="engine_args"):
         rle.Engine(engine_config("vllm", engine_args={"no_such_vllm_option": 1})).start()
+
+
+def test_processed_logprobs_equal_the_trainers_under_the_same_transform(engine_config):
+    """vLLM's ``processed_logprobs`` (one mode per engine) against the torch trainer's logprob of
+    the tempered, top-k and top-p filtered distribution; the engine refuses the other mode."""
+    params = rle.SamplingParams(max_tokens=10, temperature=0.7, top_k=40, top_p=0.9, seed=3, ignore_eos=True)
+    with rle.Engine(engine_config("vllm", logprobs_mode="processed")) as engine:
+        trainer = engine.training_client()
+        checked = 0
+        for prompt, resp in zip(PROMPTS, sample_all(engine, params)):
+            seq = resp.sequences[0]
+            assert seq.logprobs_transform == rle.LogprobTransform(temperature=0.7, top_k=40, top_p=0.9)
+            full = prompt + seq.tokens
+            n = len(full) - 1
+            inputs = {"target_tokens": np.array(full[1:]), "temperature": np.full(n, 0.7, np.float32),
+                      "top_k": np.full(n, 40, np.float32), "top_p": np.full(n, 0.9, np.float32)}
+            out = trainer.forward([rle.Datum(model_input=rle.ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)]
+                                  ).result(WAIT)
+            trainer_lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:]
+            np.testing.assert_allclose(seq.logprobs_array(), trainer_lp, atol=1e-4)
+            checked += len(seq.tokens)
+        assert checked == 40
+        with pytest.raises(rle.InvalidRequest, match="logprobs_mode"):
+            engine.sampling_client().sample(rle.ModelInput.from_ints(PROMPTS[0]), 1,
+                                            rle.SamplingParams(max_tokens=2, logprobs_mode="raw"))
+    with pytest.raises(rle.ConfigurationError, match="logprobs_mode"):
+        rle.Engine(engine_config("vllm", engine_args={"logprobs_mode": "processed_logprobs"})).start()
