@@ -323,7 +323,12 @@ class StepBatch:
         batch.ledger = [{"step": dump.step, "group": g.group, "attempt": g.attempt, "rewards": g.rewards,
                          "disposition": "trained"} for g in dump.groups]
         batch._replayed = list(dump.calls)
+        batch._parts = [call.datums for call in dump.calls if isinstance(call, ForwardBackwardCall)]
         return batch
+
+    def unrecomputed(self) -> bool:
+        """Whether the datums lack the recompute pass's ``old_logprobs`` (a ``rollout_only`` dump)."""
+        return any("old_logprobs" not in d.loss_fn_inputs for d in self.datums)
 
     def replay(self) -> list[Any]:
         """Submit a dumped step's calls again, in order; returns the optimizer steps' futures."""

@@ -427,13 +427,8 @@ class TrainingRun:
             lr *= 1.0 - (step - 1) / self.total_steps
         adam = AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm)
-        if cfg.recomputes and not cfg.rollout_only and batch.plan():
-            calls = batch.recompute_calls()
-            futures = [(self.training.forward(data, "cross_entropy"), idx) for data, idx in calls]
-            outputs = [(await self._call(f), idx) for f, idx in futures]
-            if self._abort.is_set():
-                return False
-            batch.apply_recompute(outputs)
+        if cfg.recomputes and not cfg.rollout_only and batch.plan() and not await self._recompute(batch):
+            return False
         optims = batch.submit(adam)
         if optims and not cfg.rollout_only:
             # The evaluation of step k samples policy k only: the install waits for it.
@@ -446,6 +441,16 @@ class TrainingRun:
         if cfg.dump_rollouts is not None:
             self.dump_bytes += await asyncio.to_thread(write_step, cfg.dump_rollouts, batch.to_dump(lr))
         return await self._finish_step(batch, train_metrics, train_started)
+
+    async def _recompute(self, batch: StepBatch) -> bool:
+        """The recompute pass (``TrainConfig.recomputes``): the trainer's logprobs of the step's
+        datums, before its first update, into the datums; False on abort."""
+        futures = [(self.training.forward(data, "cross_entropy"), idx) for data, idx in batch.recompute_calls()]
+        outputs = [(await self._call(f), idx) for f, idx in futures]
+        if self._abort.is_set():
+            return False
+        batch.apply_recompute(outputs)
+        return True
 
     async def _train(self, batch: StepBatch, optims: list[Any], lr: float,
                      install: Any = None) -> dict[str, float] | None:
@@ -464,6 +469,9 @@ class TrainingRun:
         dump = await asyncio.to_thread(read_step, self._dumps[step - 1], step)
         batch = StepBatch.from_dump(self.cfg, self.training, dump)
         train_started = time.monotonic()
+        # A rollout_only dump was never recomputed: its replay runs the pass itself.
+        if self.cfg.recomputes and batch.unrecomputed() and not await self._recompute(batch):
+            return False
         optims = batch.replay()
         train_metrics: dict[str, float] = {}
         if optims:

@@ -157,3 +157,19 @@ def test_a_session_trace_keeps_each_completions_transform_for_training(model_cac
     sampled = np.flatnonzero(mask)
     assert d.loss_fn_inputs["temperature"].to_numpy()[sampled].tolist() == [np.float32(0.7)] * 3 + [1.0] * 3
     assert d.loss_fn_inputs["top_k"].to_numpy()[sampled].tolist() == [40.0] * 3 + [0.0] * 3
+
+
+def test_dumps_of_a_corrected_run_replay_and_a_rollout_only_dump_gets_its_recompute(tmp_path, model_cache):
+    dumped = run(tmp_path, model_cache, "dumped", tis_cap=2.0, dump_rollouts=str(tmp_path / "d1"))
+    replay = train(None, {"train_from": str(tmp_path / "d1")}, run_dir=str(tmp_path / "replay1"))
+    assert replay.error is None, replay.error
+    again = read_jsonl(replay.metrics_path)
+    assert [s["loss_sum"] for s in again] == [s["loss_sum"] for s in dumped]  # the recomputed datums were dumped
+    only = run(tmp_path, model_cache, "only", tis_cap=2.0, rollout_only=True, dump_rollouts=str(tmp_path / "d2"))
+    assert "is_truncated_frac" not in only[0]  # nothing trained, nothing recomputed
+    replay = train(None, {"train_from": str(tmp_path / "d2")}, run_dir=str(tmp_path / "replay2"))
+    assert replay.error is None, replay.error
+    first, second = read_jsonl(replay.metrics_path)
+    assert first["is_truncated_frac"] == 0.0 and abs(first["recomputed_v1"]) < 1e-5  # sampled by these weights
+    # Step 2's rollouts came from the initial policy, trained on by now: off-policy, which the pass measures.
+    assert abs(second["recomputed_v1"]) > 1e-3 and second["recomputed_ratio_min"] < 0.99, second
