@@ -51,8 +51,8 @@ __all__ = [
 ]
 
 StopReason = Literal["length", "stop", "abort"]
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 _INT32_MAX = 2**31 - 1
 # The raw fields are little-endian on the wire; native order is used in

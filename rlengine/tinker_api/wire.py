@@ -278,7 +278,7 @@ def call_header(body: bytes) -> tuple[str | None, int | None]:
 # A name the SDK (0.38) can send that rlengine knows but does not serve answers ``not_supported``;
 # a name neither knows stays ``invalid``.
 
-_LOSSES_NOT_SERVED = ("dro", "gspo", "stable_reinforce")
+_LOSSES_NOT_SERVED = ("stable_reinforce",)
 _OPTIMIZERS_NOT_SERVED = ("dimuon",)
 
 
