@@ -127,8 +127,11 @@ def test_malformed_bodies_are_typed_errors(url):
     image = sample_body(ssid, 1)
     image["prompt"] = {"chunks": [{"type": "image", "data": "AAAA", "format": "png"}]}
     assert error(call(url, "asample", image), 400, "not_supported")["field"] == "prompt.chunks[0].type"
-    body = error(call(url, "asample", sample_body(ssid, 2, topk_sample_logprobs=3)), 400, "not_supported")
-    assert body["field"] == "topk_sample_logprobs" and body["value"] == 3
+    for field, k in (("topk_sample_logprobs", 21), ("topk_prompt_logprobs", 21), ("topk_prompt_logprobs", -1)):
+        body = error(call(url, "asample", sample_body(ssid, 2, **{field: k})), 400, "invalid")
+        assert (body["field"], body["value"]) == (field, k)
+    body = error(call(url, "asample", sample_body(ssid, 2, prompt_alt_tokens_k=2)), 400, "not_supported")
+    assert body["field"] == "prompt_alt_tokens_k" and body["value"] == 2
     body = error(call(url, "asample", sample_body(ssid, 3, params={"temperature": -1.0})), 400, "invalid")
     assert body["field"] == "temperature"
     assert error(call(url, "asample", {**sample_body(ssid, 4), "prompt": {"chunks": [
@@ -469,6 +472,10 @@ def test_the_sim_backend_samples_but_does_not_train(engine_config, ckpt_dir):
                                                                 "base_model": sim.model_name}).json()["sampling_session_id"]
             rid = call(server.url, "asample", sample_body(ssid, 1, max_tokens=5)).json()["request_id"]
             assert [len(s["tokens"]) for s in result(server.url, rid)["sequences"]] == [5]
+            # The sim reports no top-k logprobs: the fields asking for them are not supported, by name.
+            for seq, field in enumerate(("topk_sample_logprobs", "topk_prompt_logprobs"), start=2):
+                body = error(call(server.url, "asample", sample_body(ssid, seq, **{field: 2})), 400, "not_supported")
+                assert (body["field"], body["value"]) == (field, 2) and "sim" in body["message"]
         finally:
             server.close()
 

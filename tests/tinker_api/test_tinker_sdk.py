@@ -232,6 +232,52 @@ def test_dro_and_gspo_train_through_the_sdk_with_the_documented_loss(served):
         training_client.forward_backward(data, "stable_reinforce").result(WAIT)
 
 
+def test_topk_logprobs_through_the_sdk_are_the_models_own(served):
+    """``topk_prompt_logprobs`` and ``topk_sample_logprobs``: the k most likely tokens of the HF model's own
+    log_softmax at each prompt position and at each sampled position (a teacher-forced forward of prompt +
+    sample); a greedy token is the first of its row, with its own logprob; ``prompt_logprobs_last_n`` empties
+    the rows before the last n."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine, _, client = served
+    model = AutoModelForCausalLM.from_pretrained(engine.model_path, local_files_only=True).eval()
+
+    def top(tokens: list[int], start: int, k: int) -> list[list[tuple[int, float]]]:
+        with torch.no_grad():
+            ref = model(torch.tensor([tokens])).logits[0, start:-1].double().log_softmax(-1).topk(k)
+        return [list(zip(i, v)) for i, v in zip(ref.indices.tolist(), ref.values.tolist())]
+
+    def same(got, want) -> None:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert [t for t, _ in g] == [t for t, _ in w]
+            np.testing.assert_allclose([lp for _, lp in g], [lp for _, lp in w], atol=1e-4)
+
+    sampler = client.create_sampling_client(base_model="tiny").result(WAIT)
+    prompt = types.ModelInput.from_ints(LP_PROMPT)
+    result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, seed=3, temperature=1.0),
+                            include_prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=3).result(WAIT)
+    assert result.topk_prompt_logprobs[0] is None
+    same(result.topk_prompt_logprobs[1:], top(LP_PROMPT, 0, 5))
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(LP_PROMPT)
+    for seq in result.sequences:
+        same(seq.topk_logprobs, top(LP_PROMPT + seq.tokens, len(LP_PROMPT) - 1, 3))
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0),
+                            topk_sample_logprobs=2).result(WAIT)
+    assert greedy.prompt_logprobs is None and greedy.topk_prompt_logprobs is None
+    seq = greedy.sequences[0]
+    for token, lp, row in zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True):
+        assert row[0][0] == token and abs(row[0][1] - lp) < 1e-5 and row[1][1] <= row[0][1]
+    last = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          topk_prompt_logprobs=2, prompt_logprobs_last_n=3).result(WAIT)
+    assert last.topk_prompt_logprobs[:-3] == [None] * (len(LP_PROMPT) - 3)
+    same(last.topk_prompt_logprobs[-3:], top(LP_PROMPT, len(LP_PROMPT) - 4, 2))
+    assert last.sequences[0].topk_logprobs is None
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), topk_sample_logprobs=21).result(WAIT)
+
+
 def _sample(sampler, seed: int = 11) -> list[list[int]]:
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), 3,
                             types.SamplingParams(max_tokens=10, seed=seed)).result(WAIT)
