@@ -167,7 +167,7 @@ def test_another_keys_sessions_models_and_futures_are_forbidden(url):
 
 def test_unserved_endpoints_answer_not_supported(url):
     for method, path in (("POST", "create_custom_loss"), ("POST", "save_weights_external"),
-                         ("GET", "training_runs"), ("POST", "auth/token"), ("GET", "no/such/thing")):
+                         ("GET", "sessions"), ("POST", "auth/token"), ("GET", "no/such/thing")):
         body = error(call(url, path, {}, method=method), 404, "not_supported")
         assert path in body["value"]
     sid = session(url)
