@@ -56,8 +56,8 @@ __all__ = [
 StopReason = Literal["length", "stop", "abort"]
 LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES: tuple[str, ...] = ("raw", "processed")
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 _INT32_MAX = 2**31 - 1
 # The raw fields are little-endian on the wire; native order is used in
@@ -364,6 +364,13 @@ class SampleResponse(_Public):
     """A tuple (of untracked Structs, so the collector drops it at once)."""
     request_id: str = ""
     prompt_logprobs_raw: bytes | None = None
+    prompt_top_k: int = 0
+    """With prompt top-k logprobs asked for (``Engine.sample(prompt_top_logprobs=k)``; Tinker's
+    ``topk_prompt_logprobs``): k; 0 otherwise."""
+    prompt_top_ids_raw: bytes | None = None
+    """k token ids (int32) per prompt token after the first, most likely first."""
+    prompt_top_logprobs_raw: bytes | None = None
+    """Their logprobs (float32), aligned with ``prompt_top_ids_raw``."""
 
     @property
     def prompt_logprobs(self) -> list[float | None] | None:
@@ -373,6 +380,18 @@ class SampleResponse(_Public):
         a = array("f")
         a.frombytes(self.prompt_logprobs_raw)
         return [None, *a.tolist()]
+
+    @property
+    def prompt_top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
+        """Per prompt token, the most likely tokens at its position as (token id, logprob); the first
+        is None, as in Tinker. None when not asked for."""
+        k = self.prompt_top_k
+        if not k or self.prompt_top_ids_raw is None or self.prompt_top_logprobs_raw is None:
+            return None
+        ids, lps = array("i"), array("f")
+        ids.frombytes(self.prompt_top_ids_raw)
+        lps.frombytes(self.prompt_top_logprobs_raw)
+        return [None, *(list(zip(ids[i:i + k], lps[i:i + k])) for i in range(0, len(ids), k))]
 
 
 _TENSOR_DTYPES = {"int64": np.int64, "float32": np.float32}

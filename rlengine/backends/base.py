@@ -41,6 +41,8 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     """The most ``SamplingParams.top_logprobs`` it reports (0: none)."""
     logprobs_modes: tuple[str, ...] = ("raw",)
     """The ``SamplingParams.logprobs_mode`` values it records; the first is its default."""
+    prompt_top_logprobs: int = 0
+    """The most ``BackendRequest.prompt_top_logprobs`` it reports (0: none)."""
     weight_install: bool = True
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""
@@ -65,6 +67,9 @@ class BackendRequest(msgspec.Struct, gc=False):
     """True: report new tokens every step (needed to keep partial tokens of a
     paused request). False: report once, when finished, with every token -
     like vLLM's ``FINAL_ONLY``, it spares the engine per-token work."""
+    prompt_top_logprobs: int = 0
+    """Also report, for every prompt token after the first, the k most likely tokens at its
+    position and their logprobs (``RequestOutput.prompt_top_ids``); 0: none."""
 
 
 class RequestOutput:
@@ -75,6 +80,8 @@ class RequestOutput:
         "finished",
         "logprobs",
         "prompt_logprobs",
+        "prompt_top_ids",
+        "prompt_top_logprobs",
         "request_id",
         "stop_reason",
         "token_ids",
@@ -93,6 +100,8 @@ class RequestOutput:
         error: str | None = None,
         top_ids: Any = None,
         top_logprobs: Any = None,
+        prompt_top_ids: Any = None,
+        prompt_top_logprobs: Any = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -111,6 +120,10 @@ class RequestOutput:
         """With ``params.top_logprobs`` k > 0: k ids per new token, flat, most likely first (a list or
         an array('i')); ``top_logprobs`` their logprobs (a list or an array('f')). None otherwise."""
         self.top_logprobs = top_logprobs
+        self.prompt_top_ids = prompt_top_ids
+        """With ``BackendRequest.prompt_top_logprobs`` k > 0: k ids per prompt token after the first,
+        flat, most likely first; ``prompt_top_logprobs`` their logprobs. On the first output only."""
+        self.prompt_top_logprobs = prompt_top_logprobs
 
 
 @runtime_checkable

@@ -6,8 +6,9 @@ sequence (the engine fans ``num_samples`` out with a seed each), the logprob
 of every sampled token (``EngineConfig.logprobs_mode``: vLLM's ``raw_logprobs``,
 log-softmax of the unscaled logits, which is what a trainer forward pass
 computes, or ``processed_logprobs``, after temperature, top-k and top-p; one
-mode per engine, so a request for the other is refused), prompt
-logprobs, stop strings and ids, abort. Non-streaming requests use
+mode per engine, so a request for the other is refused), prompt logprobs
+and the top k at each prompt position (vLLM's ``prompt_logprobs=k``), stop
+strings and ids, abort. Non-streaming requests use
 ``FINAL_ONLY`` so the engine does no per-token work for them. A
 ``constraint`` (an xgrammar structural tag) goes to vLLM's own structured
 outputs, which mask the logits before sampling, so its logprobs are of the
@@ -90,10 +91,14 @@ class VLLMBackend:
             "vLLM sleep mode needs CUDA; unsupported on CPU" if not on_cuda
             else "vLLM was built without enable_sleep_mode=True")
         self.capabilities = Capabilities(sleep=sleep_ok, prompt_logprobs=True, stop_strings=True,
-                                         constraints=True, top_logprobs=MAX_TOP_LOGPROBS, weight_install=True,
+                                         constraints=True, top_logprobs=MAX_TOP_LOGPROBS,
+                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, weight_install=True,
                                          why_not_sleep=why, logprobs_modes=(logprobs_mode,))
         self._top: dict[str, int] = {}
         """Request id -> how many alternatives per token it asked for (only those that did)."""
+        self._prompt_top: dict[str, tuple[int, bool]] = {}
+        """Request id -> how many alternatives per prompt position it asked for, and whether it asked
+        for the prompt tokens' own logprobs too (only those that asked for alternatives)."""
         model_config = engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
@@ -123,7 +128,9 @@ class VLLMBackend:
             stop_token_ids=list(p.stop_token_ids) or None,
             ignore_eos=p.ignore_eos,
             logprobs=p.top_logprobs,
-            prompt_logprobs=0 if request.prompt_logprobs else None,
+            # vLLM's prompt_logprobs=k: each position's top k and the prompt token itself.
+            prompt_logprobs=request.prompt_top_logprobs if request.prompt_top_logprobs
+            else 0 if request.prompt_logprobs else None,
             detokenize=bool(stop_strings),
             output_kind=self._delta if request.stream else self._final,
             structured_outputs=(None if p.constraint is None
@@ -132,6 +139,8 @@ class VLLMBackend:
         prompt = self._prompt_cls(prompt_token_ids=memoryview(request.prompt).cast("i").tolist())
         if p.top_logprobs:
             self._top[request.request_id] = p.top_logprobs
+        if request.prompt_top_logprobs:
+            self._prompt_top[request.request_id] = (request.prompt_top_logprobs, request.prompt_logprobs)
         if p.constraint is None:
             self._engine.add_request(request.request_id, prompt, params)
             return
@@ -139,6 +148,7 @@ class VLLMBackend:
             self._engine.add_request(request.request_id, prompt, params)
         except self._refusals as exc:  # vLLM validates (compiles) the structural tag here
             self._top.pop(request.request_id, None)
+            self._prompt_top.pop(request.request_id, None)
             causes, cause = [str(exc)], exc.__cause__ or exc.__context__
             while cause is not None and len(causes) < 4:
                 causes.append(str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__)
@@ -150,6 +160,7 @@ class VLLMBackend:
         ids = list(request_ids)
         for rid in ids:
             self._top.pop(rid, None)
+            self._prompt_top.pop(rid, None)
         if ids:
             self._engine.abort_request(ids)
 
@@ -171,10 +182,18 @@ class VLLMBackend:
                 out.top_ids = [t for row in ranked for _, t, _ in row]
                 out.top_logprobs = [v for row in ranked for _, _, v in row]
             if ro.prompt_logprobs is not None and ro.prompt_token_ids is not None:
-                out.prompt_logprobs = [lp[t].logprob for t, lp in
-                                       zip(ro.prompt_token_ids[1:], ro.prompt_logprobs[1:])]
+                prompt_k, want_own = self._prompt_top.get(ro.request_id, (0, True))
+                if want_own:
+                    out.prompt_logprobs = [lp[t].logprob for t, lp in
+                                           zip(ro.prompt_token_ids[1:], ro.prompt_logprobs[1:])]
+                if prompt_k:
+                    ranked = [sorted((v.rank, t, v.logprob) for t, v in lp.items() if v.rank <= prompt_k)[:prompt_k]
+                              for lp in ro.prompt_logprobs[1:]]
+                    out.prompt_top_ids = [t for row in ranked for _, t, _ in row]
+                    out.prompt_top_logprobs = [v for row in ranked for _, _, v in row]
             if ro.finished:
                 self._top.pop(ro.request_id, None)
+                self._prompt_top.pop(ro.request_id, None)
                 out.finished = True
                 reason = completion.finish_reason
                 if reason not in ("length", "stop"):

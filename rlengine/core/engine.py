@@ -415,10 +415,12 @@ class Engine:
         return raw
 
     def validate_sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-                        *, include_prompt_logprobs: bool = False) -> SampleSpec:
+                        *, include_prompt_logprobs: bool = False, prompt_top_logprobs: int = 0) -> SampleSpec:
         """Check a sample call against this engine (prompt length and ids, the count,
         the parameters against the backend's capabilities); raises ``InvalidRequest``
-        naming the field. The one place these rules are written; thread-safe."""
+        naming the field. The one place these rules are written; thread-safe.
+        ``prompt_top_logprobs`` k > 0 also asks for the k most likely tokens at every
+        prompt position after the first (``SampleResponse.prompt_top_logprobs``)."""
         raw = self._prompt_bytes(prompt)
         if type(num_samples) is not int or num_samples < 1:  # a bool is refused too
             raise InvalidRequest("num_samples", num_samples, "must be an integer >= 1")
@@ -441,7 +443,11 @@ class Engine:
         elif params.logprobs_mode not in modes:
             raise InvalidRequest("sampling_params.logprobs_mode", params.logprobs_mode,
                                  f"backend {self.backend.name} records {' or '.join(modes)} logprobs")
-        return SampleSpec(raw, num_samples, params, bool(include_prompt_logprobs))
+        k, cap = prompt_top_logprobs, self.backend.capabilities.prompt_top_logprobs
+        if type(k) is not int or not 0 <= k <= cap:
+            raise InvalidRequest("prompt_top_logprobs", k, f"must be an integer in [0, {cap}] (backend "
+                                 f"{self.backend.name} reports at most {cap})")
+        return SampleSpec(raw, num_samples, params, bool(include_prompt_logprobs), k)
 
     def submit_sample(self, spec: SampleSpec, *, version: int | None = None, session_id: str | None = None,
                       on_tokens: OnTokens | None = None) -> RequestFuture[SampleResponse]:
@@ -456,11 +462,12 @@ class Engine:
 
     def sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None, *,
                version: int | None = None, session_id: str | None = None,
-               include_prompt_logprobs: bool = False, on_tokens: OnTokens | None = None,
-               ) -> RequestFuture[SampleResponse]:
+               include_prompt_logprobs: bool = False, prompt_top_logprobs: int = 0,
+               on_tokens: OnTokens | None = None) -> RequestFuture[SampleResponse]:
         """Queue one sample call: ``validate_sample`` then ``submit_sample``; thread-safe."""
         spec = self.validate_sample(prompt, num_samples, sampling_params,
-                                    include_prompt_logprobs=include_prompt_logprobs)
+                                    include_prompt_logprobs=include_prompt_logprobs,
+                                    prompt_top_logprobs=prompt_top_logprobs)
         return self.submit_sample(spec, version=version, session_id=session_id, on_tokens=on_tokens)
 
     def lease(self, session_id: str | None = None, version: int | None = None) -> RequestFuture[Lease]:

@@ -48,6 +48,8 @@ class SampleSpec(msgspec.Struct, frozen=True, gc=False):
     num_samples: int
     params: SamplingParams
     prompt_logprobs: bool
+    prompt_top_logprobs: int = 0
+    """k > 0: the k most likely tokens at every prompt position after the first, with their logprobs."""
 
 
 class SampleRequest(msgspec.Struct, gc=False):
@@ -67,6 +69,8 @@ class SampleRequest(msgspec.Struct, gc=False):
     seqs: list[Sequence] | None = None
     remaining: int = 0
     prompt_logprobs_raw: bytes | None = None
+    prompt_top_ids_raw: bytes | None = None
+    prompt_top_logprobs_raw: bytes | None = None
 
 
 class LeaseRequest(msgspec.Struct, gc=False):

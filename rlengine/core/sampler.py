@@ -217,7 +217,8 @@ class SamplerLoop:
                 seed = rng.getrandbits(63) if base is None else derive_seed(base, 0)
                 seq = seqs[rid] = Sequence(request, 0, rid, seed)
                 request.seqs = [seq]
-                to_add.append(BackendRequest(rid, spec.prompt, params, seed, max_tokens, spec.prompt_logprobs, stream))
+                to_add.append(BackendRequest(rid, spec.prompt, params, seed, max_tokens, spec.prompt_logprobs, stream,
+                                             spec.prompt_top_logprobs))
             else:
                 request.seqs = []
                 for i in range(n):
@@ -226,7 +227,8 @@ class SamplerLoop:
                     request.seqs.append(seq)
                     seqs[seq.backend_id] = seq
                     to_add.append(BackendRequest(seq.backend_id, spec.prompt, params, seed, max_tokens,
-                                                 spec.prompt_logprobs and i == 0, stream))
+                                                 spec.prompt_logprobs and i == 0, stream,
+                                                 spec.prompt_top_logprobs if i == 0 else 0))
             self.admitted += 1
 
     def _backend_request(self, seq: Sequence, prompt: bytes) -> BackendRequest:
@@ -237,9 +239,10 @@ class SamplerLoop:
         params = spec.params
         room = self.backend.max_model_len - (len(prompt) >> 2)
         want = params.max_tokens if params.max_tokens is not None else room
+        first = seq.index == 0 and not seq.length
         return BackendRequest(seq.backend_id, prompt, params, seq.seed, max(1, min(want - seq.length, room)),
-                              spec.prompt_logprobs and seq.index == 0 and not seq.length,
-                              self._stream or request.on_tokens is not None)
+                              spec.prompt_logprobs and first, self._stream or request.on_tokens is not None,
+                              spec.prompt_top_logprobs if first else 0)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -308,6 +311,9 @@ class SamplerLoop:
                     self._deliver(seq, out, version)
             if out.prompt_logprobs is not None:
                 request.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
+            if out.prompt_top_ids is not None:
+                request.prompt_top_ids_raw = array("i", out.prompt_top_ids).tobytes()
+                request.prompt_top_logprobs_raw = array("f", out.prompt_top_logprobs).tobytes()
             if out.error is not None:
                 self._fail_sample(request, BackendRequestError(
                     f"request {request.request_id}: backend failed mid-generation: {out.error}"), unknown=True,
@@ -333,7 +339,11 @@ class SamplerLoop:
         """Settle ``request`` with its sequences; into ``settled`` when given (a step's batch)."""
         transform = request.spec.params.logprob_transform
         response = SampleResponse(sequences=tuple([s.to_sequence(transform) for s in request.seqs or ()]),
-                                  request_id=request.request_id, prompt_logprobs_raw=request.prompt_logprobs_raw)
+                                  request_id=request.request_id, prompt_logprobs_raw=request.prompt_logprobs_raw,
+                                  prompt_top_k=0 if request.prompt_top_ids_raw is None
+                                  else request.spec.prompt_top_logprobs,
+                                  prompt_top_ids_raw=request.prompt_top_ids_raw,
+                                  prompt_top_logprobs_raw=request.prompt_top_logprobs_raw)
         # Break the request <-> sequence cycle: both are untracked Structs, which the
         # cyclic collector never frees (it would keep every request alive).
         request.seqs = None

@@ -9,6 +9,7 @@ One role per module:
 * ``training_calls`` - the calls on a training model: forward/backward, optimizer steps, saving and loading weights;
 * ``sampling_calls`` - the calls of sampling sessions: creating and joining one, ``asample``;
 * ``results``    - rendering results, relaying engine futures, retrieving and cancelling futures;
+* ``runs``       - the REST listings of training runs and checkpoints, and deleting checkpoints;
 * ``training``   - a training model's trainer, its call order by ``seq_id``, weight snapshots;
 * ``sampling``   - sampler snapshots, installing them on demand, sampling sessions;
 * ``futures``    - the bounded, expiring futures table and ``retrieve_futures`` completion logs;

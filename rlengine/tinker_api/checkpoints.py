@@ -9,10 +9,15 @@ loadable model directory) plus ``tinker.json`` (base model, LoRA settings,
 user metadata, the requested TTL). A directory is written under a temporary
 name and renamed into place, so a reader never sees half a checkpoint.
 
-TTLs are recorded, not enforced: local checkpoints stay until deleted.
+TTLs are recorded, not enforced: local checkpoints stay until deleted
+(``delete``). ``scan`` finds every published checkpoint under the directory,
+with its metadata, time and size, for the REST listings (``runs``); the
+metadata also records the training run's own ``user_metadata``
+(``run_metadata``), so a run is described from disk after its model is gone.
 Names and ids are checked against a conservative alphabet so a path can
 never leave ``checkpoint_dir``. It never touches the engine; the heavy I/O
-functions run on the compute thread.
+functions run on the compute thread, ``scan`` and ``delete`` in a worker
+thread.
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from rlengine.tinker_api.errors import UnknownResource
 __all__ = [
     "META_FILE",
     "CheckpointPath",
+    "StoredCheckpoint",
+    "delete",
     "parse_path",
     "publish",
     "read_meta",
     "read_model_weights",
     "read_sampler_weights",
+    "scan",
     "staging_dir",
     "tinker_path",
 ]
@@ -120,6 +128,58 @@ def read_meta(root: str, path: CheckpointPath) -> tuple[str, dict[str, Any]]:
         raise UnknownResource("path", path.uri, "no such checkpoint on this server")
     with open(file, encoding="utf-8") as f:
         return directory, json.load(f)
+
+
+class StoredCheckpoint(NamedTuple):
+    """A published checkpoint found on disk (``scan``)."""
+
+    path: CheckpointPath
+    meta: dict[str, Any]
+    time: float
+    """When it was published (its metadata file's modification time, seconds since the epoch)."""
+    size_bytes: int
+
+
+def scan(root: str, model_id: str | None = None) -> list[StoredCheckpoint]:
+    """Every published checkpoint under ``root`` (of ``model_id`` only, if given). A directory whose
+    metadata names another path (an old copy set aside while ``publish`` replaces it) is skipped."""
+    found: list[StoredCheckpoint] = []
+    models = [model_id] if model_id is not None else sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for mid in models:
+        if not _MODEL_ID.fullmatch(mid):
+            continue
+        for segment in _KINDS:
+            parent = os.path.join(root, mid, segment)
+            if not os.path.isdir(parent):
+                continue
+            for name in sorted(os.listdir(parent)):
+                if not _NAME.fullmatch(name) or ".." in name:
+                    continue
+                path = CheckpointPath(mid, segment, name)
+                directory = path.directory(root)
+                file = os.path.join(directory, META_FILE)
+                try:
+                    with open(file, encoding="utf-8") as f:
+                        meta = json.load(f)
+                    published = os.stat(file).st_mtime
+                    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory)
+                               for f in files)
+                except (OSError, ValueError):
+                    continue  # not (or no longer) a published checkpoint
+                if isinstance(meta, dict) and meta.get("path") == path.uri:
+                    found.append(StoredCheckpoint(path, meta, published, size))
+    return found
+
+
+def delete(root: str, path: CheckpointPath) -> None:
+    """Remove a published checkpoint: renamed aside first, so no reader sees half of it."""
+    final = path.directory(root)
+    aside = f"{final}.deleted-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:
+        raise UnknownResource("path", path.uri, "no such checkpoint on this server") from None
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def read_model_weights(model_dir: str) -> list[tuple[str, Any]]:

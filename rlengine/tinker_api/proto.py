@@ -39,6 +39,8 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _DOUBLE = struct.Struct("<d")
 # tinker_public.proto enums.
 _STOP_REASON = {"stop": 0, "length": 1}
+_MASK_LOGPROB = -99999.0
+"""An empty top-k cell (token id 0 with this logprob): ``tinker.types.topk_logprobs.MASK_LOGPROB``."""
 _DTYPE_FLOAT32, _DTYPE_INT64, _DTYPE_INT32 = 1, 2, 3
 _NUMPY_DTYPES = {_DTYPE_FLOAT32: np.dtype(np.float32), _DTYPE_INT64: np.dtype(np.int64), _DTYPE_INT32: np.dtype(np.int32)}
 
@@ -351,9 +353,26 @@ def _put_double(out: bytearray, number: int, value: float) -> None:
     out += _DOUBLE.pack(value)
 
 
+def _unscored(n: int, last_n: int | None) -> int:
+    """How many of a prompt's ``n`` positions lead without a score: the first, and with ``last_n``
+    every one before the last ``last_n``."""
+    return 1 if last_n is None else max(1, n - last_n)
+
+
+def _topk_message(ids: np.ndarray, logprobs: np.ndarray, k: int) -> bytes:
+    """A ``TopkLogprobs``: ``ids`` int32 and ``logprobs`` float32, ``k`` per position, flat."""
+    msg = bytearray()
+    _put_len(msg, 1, ids.astype(np.int32, copy=False).tobytes())
+    _put_len(msg, 2, logprobs.astype(np.float32, copy=False).tobytes())
+    _put_int(msg, 3, k)
+    _put_int(msg, 4, ids.size // k)
+    return bytes(msg)
+
+
 def encode_sample_response(response: SampleResponse, prompt_logprobs_last_n: int | None = None) -> bytes:
     """A ``SampleResponse`` as protobuf: tokens int32, logprobs float32, prompt logprobs with
-    NaN where none was computed (the first token, and before the last ``prompt_logprobs_last_n``)."""
+    NaN where none was computed (the first token, and before the last ``prompt_logprobs_last_n``),
+    top-k logprobs as dense matrices with empty cells there (id 0, logprob -99999)."""
     out = bytearray()
     for seq in response.sequences:
         reason = _STOP_REASON.get(seq.stop_reason)
@@ -363,13 +382,24 @@ def encode_sample_response(response: SampleResponse, prompt_logprobs_last_n: int
         _put_int(msg, 1, reason)
         _put_len(msg, 2, seq.tokens_raw)
         _put_len(msg, 3, seq.logprobs_raw)
+        if seq.top_ids_raw and seq.length:
+            top_ids = np.frombuffer(seq.top_ids_raw, dtype=np.int32)
+            _put_len(msg, 4, _topk_message(top_ids, np.frombuffer(seq.top_logprobs_raw, dtype=np.float32),
+                                           top_ids.size // seq.length))
         _put_len(out, 1, msg)
     raw = response.prompt_logprobs_raw
     if raw is not None:
         values = np.concatenate([np.full(1, np.nan, dtype=np.float32), np.frombuffer(raw, dtype=np.float32)])
-        if prompt_logprobs_last_n is not None:
-            values[:max(0, len(values) - prompt_logprobs_last_n)] = np.nan
+        values[:_unscored(len(values), prompt_logprobs_last_n)] = np.nan
         _put_len(out, 2, values.tobytes())
+    k = response.prompt_top_k
+    if k and response.prompt_top_ids_raw is not None and response.prompt_top_logprobs_raw is not None:
+        ids = np.concatenate([np.zeros(k, dtype=np.int32), np.frombuffer(response.prompt_top_ids_raw, np.int32)])
+        lps = np.concatenate([np.full(k, _MASK_LOGPROB, dtype=np.float32),
+                              np.frombuffer(response.prompt_top_logprobs_raw, np.float32)])
+        empty = _unscored(ids.size // k, prompt_logprobs_last_n) * k
+        ids[:empty], lps[:empty] = 0, _MASK_LOGPROB
+        _put_len(out, 3, _topk_message(ids, lps, k))
     return bytes(out)
 
 

@@ -5,7 +5,9 @@ Every id the server hands out is looked up here. A ``Session`` (one
 the SDK's sequence numbers, so a retried creation gets the same one back.
 Ids that are gone (a finished session, an unloaded model, a dropped
 sampling session) are remembered with the reason, bounded, so using one
-answers ``Gone`` saying why rather than "unknown".
+answers ``Gone`` saying why rather than "unknown". A training run (the REST
+listings, ``runs``) is its live model while there is one, owner-checked
+like the rest, and otherwise lives on in its checkpoints.
 
 Model slots: at most ``max_models`` training models are alive. A creation
 that finds them all taken evicts the model of the session silent longest,
@@ -173,6 +175,7 @@ class Registry:
 
     def model(self, owner: str, model_id: str) -> TrainingModel:
         model = self._owned(self.models, "model_id", model_id, owner, "model", "a session of another API key")
+        model.last_request = time.time()
         session = self.sessions.get(model.session_id)
         if session is not None:
             session.last_seen = time.monotonic()
@@ -280,6 +283,22 @@ class Registry:
         self.samplers[sid] = ss
         session.samplers[seq] = sid
         return ss
+
+    # -- training runs ----------------------------------------------------------------------
+
+    def live_run(self, owner: str, model_id: str) -> TrainingModel | None:
+        """The live model of training run ``model_id`` if there is one (``Forbidden`` if it is another
+        key's); None for a run that may live on only on disk. Not a call on the model: no heartbeat."""
+        model = self.models.get(model_id)
+        if model is not None and model.owner != owner:
+            raise Forbidden("training_run_id", model_id, "belongs to a session of another API key")
+        return model
+
+    def no_run(self, model_id: str) -> Exception:
+        """Why training run ``model_id`` cannot be described: ``Gone`` (why) or ``UnknownResource``."""
+        if model_id in self._gone:
+            return Gone("training_run_id", model_id, f"{self._gone[model_id]}, and no checkpoint of it remains")
+        return UnknownResource("training_run_id", model_id, "no such training run on this server")
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -9,8 +9,12 @@ are opened by ``save_weights_for_sampler`` (``training_calls``).
 engine accepts, registers its future with a renderer that honours
 ``prompt_logprobs_last_n``, and hands it to a ``SampleCall`` (``sampling``),
 which pins it to its session's weights; its completion goes into the
-session's log for ``retrieve_futures``. A repeated ``seq_id`` (a retry
-whose first answer was lost) gets the first request's id back.
+session's log for ``retrieve_futures``. ``topk_sample_logprobs`` and
+``topk_prompt_logprobs`` are served up to what the backend reports
+(``Capabilities.top_logprobs`` and ``prompt_top_logprobs``: 20 for torch
+and vLLM) and answer ``not_supported`` on a backend that reports none (the
+sim). A repeated ``seq_id`` (a retry whose first answer was lost) gets the
+first request's id back.
 
 Loop thread only; nothing here waits for a sample.
 """
@@ -76,18 +80,21 @@ class SamplingCalls:
             raise NotSupported("sampling_session_id", None, "sampling without a sampling session is not supported "
                                "by rlengine (create_sampling_session first)")
         ss = self.registry.sampler(owner, body.sampling_session_id)
-        for field, value, off in (("topk_prompt_logprobs", body.topk_prompt_logprobs, 0),
-                                  ("topk_sample_logprobs", body.topk_sample_logprobs, 0),
-                                  ("prompt_alt_tokens_k", body.prompt_alt_tokens_k, 0),
+        for field, value, off in (("prompt_alt_tokens_k", body.prompt_alt_tokens_k, 0),
                                   ("target_prompt_logprobs", body.target_prompt_logprobs, None),
                                   ("record_stability_info", bool(body.record_stability_info), False)):
             if value != off:
                 raise NotSupported(field, value, "not supported by rlengine")
+        caps = self.engine.backend.capabilities
+        sample_k = self._top_k("topk_sample_logprobs", body.topk_sample_logprobs, caps.top_logprobs,
+                               "sampled token")
+        prompt_k = self._top_k("topk_prompt_logprobs", body.topk_prompt_logprobs, caps.prompt_top_logprobs,
+                               "prompt token")
         n = body.num_samples
         prompt = wire.model_input(body.prompt, "prompt")
         want_lps = bool(body.prompt_logprobs)
-        spec = self.engine.validate_sample(prompt, n, wire.sampling_params(body.sampling_params),
-                                           include_prompt_logprobs=want_lps)
+        spec = self.engine.validate_sample(prompt, n, wire.sampling_params(body.sampling_params, sample_k),
+                                           include_prompt_logprobs=want_lps, prompt_top_logprobs=prompt_k)
         last_n = body.prompt_logprobs_last_n
         if last_n is not None and (not want_lps or not 1 <= last_n <= prompt.length - 1):
             raise InvalidRequest("prompt_logprobs_last_n", last_n, f"needs prompt_logprobs and must be in "
@@ -105,3 +112,15 @@ class SamplingCalls:
         entry.future.add_done_callback(lambda f: log.record(rid, "failed" if f.exception(0) else "finished"))
         call.run()
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
+
+    def _top_k(self, field: str, k: int, most: int, what: str) -> int:
+        """A top-k width of the request: at most ``most`` (what the backend reports; 0: not supported)."""
+        if k < 0:
+            raise InvalidRequest(field, k, "must be >= 0 (0: none)")
+        if k and not most:
+            raise NotSupported(field, k, f"the {self.engine.backend.name} backend reports no top-k logprobs "
+                               f"of a {what}")
+        if k > most:
+            raise InvalidRequest(field, k, f"must be at most {most} (the most the {self.engine.backend.name} "
+                                 "backend reports)")
+        return k

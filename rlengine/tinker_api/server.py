@@ -19,11 +19,14 @@ Served under ``/api/v1``: ``client/config``, ``client/dynamic_config``,
 ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
 ``load_weights``, ``create_sampling_session``, ``join_sampling_session``,
 ``samplers/{id}``, ``asample``, ``retrieve_future``, ``retrieve_futures``,
-``cancel_future`` and ``telemetry`` (accepted and dropped: a local server
-collects no analytics). Any other path answers 404 ``not_supported``
-naming it (custom losses, weight copies, external exports, checkpoint
-listings, billing and auth-token exchange are Tinker-service features
-rlengine does not have).
+``cancel_future``, the REST listings ``GET training_runs``,
+``GET training_runs/{id}``, ``GET training_runs/{id}/checkpoints``,
+``DELETE training_runs/{id}/checkpoints/{kind}/{name}`` and
+``GET checkpoints`` (``runs``), and ``telemetry`` (accepted and dropped: a
+local server collects no analytics). Any other path answers 404
+``not_supported`` naming it (custom losses, weight copies, external
+exports, publishing, sessions listings, billing and auth-token exchange are
+Tinker-service features rlengine does not have).
 
 Auth: the SDK sends ``X-API-Key``; every request must carry the server's key
 (``TinkerServer.api_key``: the configured ``api_key``, or one drawn at start
@@ -272,6 +275,11 @@ class TinkerServer:
             post(f"{p}/retrieve_future", self._retrieve_future),
             post(f"{p}/retrieve_futures", self._retrieve_futures),
             post(f"{p}/cancel_future", self._call(wire.CancelFutureRequest, svc.results.cancel)),
+            get(f"{p}/training_runs", self._list_training_runs),
+            get(f"{p}/training_runs/{{run_id}}", self._get_training_run),
+            get(f"{p}/training_runs/{{run_id}}/checkpoints", self._list_checkpoints),
+            web.delete(f"{p}/training_runs/{{run_id}}/checkpoints/{{segment}}/{{name}}", self._delete_checkpoint),
+            get(f"{p}/checkpoints", self._list_user_checkpoints),
             web.route("*", "/{tail:.*}", self._unknown),
         ]
 
@@ -343,6 +351,40 @@ class TinkerServer:
     async def _retrieve_futures(self, request: web.Request) -> web.Response:
         body = self._decode(await self._body(request), wire.FuturesRetrieveRequest)
         return _json_response(await self._svc.results.retrieve_many(request[_OWNER], body))
+
+    # -- training runs and checkpoints (``runs``) ---------------------------------------------
+
+    @staticmethod
+    def _query_int(request: web.Request, name: str, default: int) -> int:
+        raw = request.query.get(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidRequest(name, raw, "must be an integer") from None
+
+    async def _list_training_runs(self, request: web.Request) -> web.Response:
+        q = request.query
+        return _json_response(await self._svc.runs.list_training_runs(
+            request[_OWNER], self._query_int(request, "limit", 20), self._query_int(request, "offset", 0),
+            q.get("access_scope", "owned"), q.get("project_id")))
+
+    async def _get_training_run(self, request: web.Request) -> web.Response:
+        return _json_response(await self._svc.runs.get_training_run(
+            request[_OWNER], request.match_info["run_id"], request.query.get("access_scope", "owned")))
+
+    async def _list_checkpoints(self, request: web.Request) -> web.Response:
+        return _json_response(await self._svc.runs.list_checkpoints(request[_OWNER], request.match_info["run_id"]))
+
+    async def _list_user_checkpoints(self, request: web.Request) -> web.Response:
+        return _json_response(await self._svc.runs.list_user_checkpoints(
+            request[_OWNER], self._query_int(request, "limit", 100), self._query_int(request, "offset", 0)))
+
+    async def _delete_checkpoint(self, request: web.Request) -> web.Response:
+        info = request.match_info
+        await self._svc.runs.delete_checkpoint(request[_OWNER], info["run_id"], f"{info['segment']}/{info['name']}")
+        return _json_response(None)
 
     async def _unknown(self, request: web.Request) -> web.Response:
         raise UnknownEndpoint("path", f"{request.method} {request.path}",

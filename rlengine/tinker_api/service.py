@@ -12,11 +12,13 @@ The service is assembled from parts, one role each, sharing its registry
 checkpoints, and which API key owns each) and its futures table:
 ``TrainingCalls`` (``training_calls``: forward/backward, optimizer steps,
 saving and loading weights), ``SamplingCalls`` (``sampling_calls``:
-sampling sessions and ``asample``) and ``Results`` (``results``:
-retrieving and cancelling futures). This module holds the rest: the
-lifecycle, discovery and client configuration, sessions, and creating,
-describing and unloading models; the HTTP layer routes every other call to
-its part (``service.training``, ``service.sampling``, ``service.results``).
+sampling sessions and ``asample``), ``Results`` (``results``: retrieving
+and cancelling futures) and ``TrainingRuns`` (``runs``: the REST listings
+of training runs and checkpoints, and deleting checkpoints). This module
+holds the rest: the lifecycle, discovery and client configuration,
+sessions, and creating, describing and unloading models; the HTTP layer
+routes every other call to its part (``service.training``,
+``service.sampling``, ``service.results``, ``service.runs``).
 
 Ownership: a session belongs to the API key that created it (a digest of
 it, never the key), and so do its models, sampling sessions, checkpoints
@@ -47,6 +49,7 @@ from rlengine.tinker_api.errors import NotSupported
 from rlengine.tinker_api.futures import FuturesTable
 from rlengine.tinker_api.registry import Registry
 from rlengine.tinker_api.results import Results, relay, render_json
+from rlengine.tinker_api.runs import TrainingRuns
 from rlengine.tinker_api.sampling import SamplerWeights
 from rlengine.tinker_api.sampling_calls import SamplingCalls
 from rlengine.tinker_api.training import build_trainer
@@ -72,6 +75,7 @@ class TinkerService:
         self.training = TrainingCalls(self.registry, self.futures)
         self.sampling = SamplingCalls(self.registry, self.futures)
         self.results = Results(self.registry, self.futures)
+        self.runs = TrainingRuns(self.registry)
         self._sweeper: asyncio.TimerHandle | None = None
         self.arch = self._architecture()
 

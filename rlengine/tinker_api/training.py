@@ -54,6 +54,8 @@ class TrainingModel:
         self.base_model = base_model
         self.lora = lora
         self.user_metadata = user_metadata or {}
+        self.last_request = time.time()
+        """Wall-clock time of the model's last call (its training run's ``last_request_time``)."""
         self.trainer: Any = None
         """Set on the compute thread by the creating call; None until then (or if it failed)."""
         self.failure: BaseException | None = None

@@ -122,7 +122,8 @@ class TrainingCalls:
         return {"format": _FORMAT, "kind": kind, "model_id": model.model_id, "owner": model.owner,
                 "base_model": model.base_model, "model_path": self.engine.model_path,
                 "lora": None if model.lora is None else msgspec.to_builtins(model.lora),
-                "user_metadata": user_metadata or {}, "ttl_seconds": ttl_seconds}
+                "user_metadata": user_metadata or {}, "run_metadata": model.user_metadata,
+                "ttl_seconds": ttl_seconds}
 
     def save_weights(self, owner: str, body: wire.SaveWeightsRequest) -> dict[str, Any]:
         model = self.registry.model(owner, body.model_id)

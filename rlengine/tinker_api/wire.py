@@ -278,7 +278,7 @@ def call_header(body: bytes) -> tuple[str | None, int | None]:
 # A name the SDK (0.38) can send that rlengine knows but does not serve answers ``not_supported``;
 # a name neither knows stays ``invalid``.
 
-_LOSSES_NOT_SERVED = ("dro", "gspo", "stable_reinforce")
+_LOSSES_NOT_SERVED = ("stable_reinforce",)
 _OPTIMIZERS_NOT_SERVED = ("dimuon",)
 
 
@@ -316,12 +316,14 @@ def model_input(wire: ModelInputWire, field: str) -> ModelInput:
     return ModelInput(tokens_raw=b"".join(parts))
 
 
-def sampling_params(wire: SamplingParamsWire) -> SamplingParams:
-    """Tinker's ``stop=[]`` (no stop tokens, not even EOS) is rlengine's ``ignore_eos=True``."""
+def sampling_params(wire: SamplingParamsWire, top_logprobs: int = 0) -> SamplingParams:
+    """Tinker's ``stop=[]`` (no stop tokens, not even EOS) is rlengine's ``ignore_eos=True``;
+    ``top_logprobs`` is the request's ``topk_sample_logprobs``."""
     stop = wire.stop
     ignore_eos = isinstance(stop, list) and not stop
     return SamplingParams(max_tokens=wire.max_tokens, seed=wire.seed, stop=None if ignore_eos else stop,
-                          temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p, ignore_eos=ignore_eos)
+                          temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p, ignore_eos=ignore_eos,
+                          top_logprobs=top_logprobs)
 
 
 def adam_params(wire: AdamParamsWire) -> AdamParams:
@@ -365,13 +367,25 @@ def datum(wire: DatumWire, field: str) -> Datum:
 
 
 def sample_response_json(response: SampleResponse, prompt_logprobs_last_n: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "sample", "sequences": [
-        {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs} for s in response.sequences]}
-    if response.prompt_logprobs is not None:
-        values = list(response.prompt_logprobs)
+    """A sample result as JSON; top-k lists are ``[[token_id, logprob], ...]`` per position, None where
+    none was computed (a prompt's first token, and before the last ``prompt_logprobs_last_n``)."""
+    sequences = []
+    for s in response.sequences:
+        seq: dict[str, Any] = {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs}
+        if s.top_ids_raw:
+            seq["topk_logprobs"] = [[list(pair) for pair in row] for row in s.top_logprobs]
+        sequences.append(seq)
+    out: dict[str, Any] = {"type": "sample", "sequences": sequences}
+    for key, values in (("prompt_logprobs", response.prompt_logprobs),
+                        ("topk_prompt_logprobs", response.prompt_top_logprobs)):
+        if values is None:
+            continue
+        values = list(values)
         if prompt_logprobs_last_n is not None:
             values[:max(0, len(values) - prompt_logprobs_last_n)] = [None] * max(0, len(values) - prompt_logprobs_last_n)
-        out["prompt_logprobs"] = values
+        if key == "topk_prompt_logprobs":
+            values = [None if row is None else [list(pair) for pair in row] for row in values]
+        out[key] = values
     return out
 
 

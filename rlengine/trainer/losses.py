@@ -7,6 +7,20 @@ logprob ``logp`` of the target under the current weights:
 * ``importance_sampling``: ``-ratio * advantages``, ``ratio = exp(logp - logprobs)``
 * ``ppo``:                 ``-min(ratio * A, clip(ratio, lo, hi) * A)``; defaults lo 0.8, hi 1.2
 * ``cispo``:               ``-stopgrad(clip(ratio, lo, hi)) * A * logp``; defaults lo 0.0, hi 4.0
+* ``dro``:                 ``-(logp * A - beta / 2 * (logp - logprobs)^2)``; ``loss_fn_config["beta"]``
+  required (d/dlogp = ``-(A - beta * (logp - logprobs))``)
+* ``gspo``:                ``-min(s_t * A, clip(s_t, lo, hi) * A)``, GSPO-token: every token's ratio
+  ``s_t`` has the value of the datum's sequence ratio ``s = exp(mean over M of (logp - logprobs))``, ``M``
+  the tokens whose ``sequence_ratio_mask`` (a required input) is non-zero, and the gradient of its own
+  ``logp`` only (``s`` is a stop-gradient): d s_t/dlogp_t = ``s``, so d/dlogp is ppo's with ``s`` for the
+  ratio. ``clip_low_threshold`` and ``clip_high_threshold`` are required (no default is documented)
+
+Tinker documents ``dro`` at tinker-docs.thinkingmachines.ai/tinker/losses/dro and ``gspo`` (the
+GSPO-token variant) at .../tinker/losses/gspo. The dro page gives no default for ``beta``, and the part
+of the gspo page read for this gives none for the clip thresholds: rlengine takes them from the caller
+rather than guess. ``stable_reinforce`` is not served: it needs stability information that Tinker's
+sampler records server-side (``record_stability_info``, ``sequence_id``), and its objective is not
+published.
 
 ``logprobs`` are the sampler's logprobs of the same tokens. Because each
 loss is elementwise in ``logp``, ``elementwise`` returns both the loss and
@@ -128,6 +142,8 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
 }
 _OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
 _DEFAULT_CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
@@ -135,6 +151,8 @@ TRANSFORM_INPUTS = ("temperature", "top_k", "top_p")
 """Per-token inputs of any loss: the sampling transform its ``logp`` is under."""
 _RATIO_LOSSES = ("importance_sampling", "ppo", "cispo")
 CORRECTION_KEYS = ("tis_cap", "mis_cap", "icepop_low", "icepop_high", "geo_mask_low", "geo_mask_high")
+_REQUIRED_CONFIG = {"dro": ("beta",), "gspo": ("clip_low_threshold", "clip_high_threshold")}
+"""``loss_fn_config`` keys a loss needs: Tinker documents no default for them."""
 
 
 class LossSettings(NamedTuple):
@@ -146,6 +164,8 @@ class LossSettings(NamedTuple):
     kl_coef: float | None = None
     """None: no reference KL; 0: measured, not penalised."""
     kl_estimator: int = 3
+    beta: float = 0.0
+    """``dro``'s quadratic penalty coefficient."""
     corrections: tuple[tuple[str, float], ...] = ()
     """The off-policy correction keys set, with their values (``CORRECTION_KEYS`` order)."""
 
@@ -155,8 +175,10 @@ class LossSettings(NamedTuple):
     def config(self, loss_fn: str) -> dict[str, float]:
         """The ``loss_fn_config`` that resolves to these settings (for re-validation)."""
         out: dict[str, float] = {}
-        if loss_fn in _DEFAULT_CLIP:
+        if loss_fn in _DEFAULT_CLIP or loss_fn == "gspo":
             out |= {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
+        if loss_fn == "dro":
+            out["beta"] = self.beta
         if self.entropy_coef:
             out["entropy_coef"] = self.entropy_coef
         if self.kl_coef is not None:
@@ -178,15 +200,21 @@ def as_settings(thresholds: tuple[float, ...]) -> LossSettings:
 
 
 def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
-    """Resolve ``loss_fn_config``: clip thresholds (ppo, cispo) and ``entropy_coef`` (any loss)."""
+    """Resolve ``loss_fn_config``: clip thresholds (ppo, cispo, gspo), ``beta`` (dro) and the options
+    on top (any loss)."""
     lo, hi = _DEFAULT_CLIP.get(loss_fn, (0.0, math.inf))
     config = config or {}
-    known = ("clip_low_threshold", "clip_high_threshold", "entropy_coef", "kl_coef", "kl_estimator", *CORRECTION_KEYS)
+    known = ("clip_low_threshold", "clip_high_threshold", "entropy_coef", "kl_coef", "kl_estimator", "beta",
+             *CORRECTION_KEYS)
     for key in config:
         if key not in known:
             raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key], f"unknown key (known: {', '.join(known)})")
+    for key in _REQUIRED_CONFIG.get(loss_fn, ()):
+        if key not in config:
+            raise InvalidRequest(f"loss_fn_config[{key!r}]", None, f"loss_fn={loss_fn!r} needs it (Tinker documents "
+                                 "no default)")
     clip_keys = {"clip_low_threshold", "clip_high_threshold"} & set(config)
-    if clip_keys and loss_fn not in _DEFAULT_CLIP:
+    if clip_keys and loss_fn not in _DEFAULT_CLIP and loss_fn != "gspo":
         raise InvalidRequest("loss_fn_config", config, f"loss_fn={loss_fn!r} takes no clip thresholds")
     lo = config.get("clip_low_threshold", lo)
     hi = config.get("clip_high_threshold", hi)
@@ -207,8 +235,21 @@ def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
         raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "must be 1, 2 or 3 (k1, k2, k3)")
     if "kl_estimator" in config and kl is None:
         raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "needs kl_coef")
+    beta = _dro_beta(loss_fn, config)
     return LossSettings(float(lo), float(hi), float(coef), None if kl is None else float(kl), int(estimator),
-                        _corrections(loss_fn, config))
+                        beta=beta, corrections=_corrections(loss_fn, config))
+
+
+def _dro_beta(loss_fn: str, config: dict[str, Any]) -> float:
+    """``loss_fn_config["beta"]``: dro's penalty coefficient, a finite number >= 0 (dro only)."""
+    if "beta" not in config:
+        return 0.0
+    beta = config["beta"]
+    if loss_fn != "dro":
+        raise InvalidRequest("loss_fn_config['beta']", beta, f"loss_fn={loss_fn!r} takes no beta (dro does)")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise InvalidRequest("loss_fn_config['beta']", beta, "must be a finite number >= 0")
+    return float(beta)
 
 
 def _corrections(loss_fn: str, config: dict[str, Any]) -> tuple[tuple[str, float], ...]:
@@ -363,6 +404,9 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
         for key in inputs:
             if key != "target_tokens" and not np.isfinite(inputs[key].to_numpy()).all():
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]", "non-finite", "must be finite")
+        if loss_fn == "gspo" and not inputs["sequence_ratio_mask"].to_numpy().any():
+            raise InvalidRequest(f"data[{i}].loss_fn_inputs['sequence_ratio_mask']", "all zero",
+                                 "must mark at least one token (the sequence ratio is their mean)")
         _check_transform(i, inputs)
     return thresholds
 
@@ -407,4 +451,25 @@ def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
         return loss, np.where(takes_unclipped, -ratio * adv, 0.0)
     if loss_fn == "cispo":
         return -clipped * adv * logp, -clipped * adv
+    if loss_fn == "dro":
+        return _dro(logp, inputs["logprobs"].astype(np.float64), adv, as_settings(thresholds).beta)
+    if loss_fn == "gspo":
+        return _gspo(logp, inputs["logprobs"].astype(np.float64), adv, inputs["sequence_ratio_mask"] != 0, lo, hi)
     raise InvalidRequest("loss_fn", loss_fn, f"must be one of {', '.join(LOSS_FNS)}")
+
+
+def _dro(logp: np.ndarray, sampled: np.ndarray, adv: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """DRO per token: ``-(logp * A - beta / 2 * (logp - logprobs)^2)`` and its derivative."""
+    diff = logp - sampled
+    return -(logp * adv - 0.5 * beta * diff * diff), -(adv - beta * diff)
+
+
+def _gspo(logp: np.ndarray, sampled: np.ndarray, adv: np.ndarray, in_ratio: np.ndarray, lo: float,
+          hi: float) -> tuple[np.ndarray, np.ndarray]:
+    """GSPO-token over one datum (the sequence): ppo's clipped objective with every token's ratio the
+    sequence ratio ``s``, each token's gradient through its own ``logp`` only (``d s_t / d logp_t = s``)."""
+    s = np.full_like(logp, math.exp(float((logp - sampled)[in_ratio].mean())))
+    unclipped_obj, clipped_obj = s * adv, np.clip(s, lo, hi) * adv
+    loss = -np.minimum(unclipped_obj, clipped_obj)
+    takes_unclipped = (unclipped_obj <= clipped_obj) | ((s >= lo) & (s <= hi))
+    return loss, np.where(takes_unclipped, -s * adv, 0.0)

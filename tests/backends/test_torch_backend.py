@@ -610,3 +610,45 @@ def test_top_logprobs_are_the_hf_forward_passes_most_likely_tokens(engine, hf_mo
     assert plain.top_logprobs == [] and plain.top_ids_raw == b""
     with pytest.raises(InvalidRequest, match="top_logprobs"):
         rle.SamplingParams(top_logprobs=21)
+
+
+def test_prompt_top_logprobs_are_the_hf_forward_passes_most_likely_tokens(engine, hf_model, tiny_model):
+    # Past its first two tokens, the prompt is HF's greedy continuation: each token is its position's argmax.
+    prompt = PROMPTS[1][:2] + hf_greedy(hf_model, PROMPTS[1][:2], 9)
+    reference = hf_logits(hf_model, prompt)[:-1].log_softmax(-1)
+    top = reference.topk(4, dim=-1)
+
+    def check(rows: list) -> None:
+        assert rows[0] is None and len(rows) == len(prompt)
+        for row, values, ids in zip(rows[1:], top.values.tolist(), top.indices.tolist()):
+            assert [t for t, _ in row] == ids
+            np.testing.assert_allclose([lp for _, lp in row], values, atol=1e-5)
+
+    resp = engine.sample(prompt, 2, rle.SamplingParams(max_tokens=3, seed=1), include_prompt_logprobs=True,
+                         prompt_top_logprobs=4).result(WAIT)
+    check(resp.prompt_top_logprobs)
+    # A greedy token ranks first, with its own logprob.
+    for token, lp, row in zip(prompt[2:], resp.prompt_logprobs[2:], resp.prompt_top_logprobs[2:]):
+        assert row[0][0] == token and abs(row[0][1] - lp) < 1e-6
+    alone = engine.sample(prompt, 1, rle.SamplingParams(max_tokens=2), prompt_top_logprobs=4).result(WAIT)
+    assert alone.prompt_logprobs is None
+    check(alone.prompt_top_logprobs)
+    one = engine.sample([700], 1, rle.SamplingParams(max_tokens=2), prompt_top_logprobs=3).result(WAIT)
+    assert one.prompt_top_logprobs == [None]
+    plain = engine.sample(prompt, 1, rle.SamplingParams(max_tokens=2)).result(WAIT)
+    assert plain.prompt_top_logprobs is None and plain.prompt_top_ids_raw is None
+    for bad in (21, -1, True):
+        with pytest.raises(InvalidRequest, match="prompt_top_logprobs"):
+            engine.validate_sample(prompt, 1, prompt_top_logprobs=bad)
+    # Batch-invariant prefill (runs of equal lengths apart) reports the same alternatives.
+    backend = TorchBackend(tiny_model, batch_invariant=True)
+    for rid, p in (("a", prompt), ("b", PROMPTS[0]), ("c", prompt)):
+        backend.add_request(BackendRequest(rid, np.asarray(p, dtype=np.int32).tobytes(),
+                                           rle.SamplingParams(max_tokens=1), 0, 1, False, True, 4))
+    outs = {out.request_id: out for out in backend.step()}
+    for rid in ("a", "c"):
+        assert outs[rid].prompt_logprobs is None
+        ids, lps = outs[rid].prompt_top_ids, outs[rid].prompt_top_logprobs
+        assert ids == top.indices.flatten().tolist()
+        np.testing.assert_allclose(lps, top.values.flatten().numpy(), atol=1e-5)
+    assert len(outs["b"].prompt_top_ids) == 4 * (len(PROMPTS[0]) - 1)

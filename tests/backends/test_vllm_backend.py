@@ -103,6 +103,24 @@ def test_prompt_logprobs_equal_torch_backend(engines):
     np.testing.assert_allclose(v[1:], t[1:], atol=1e-4)
 
 
+def test_prompt_top_logprobs_equal_the_torch_backends(engines):
+    """vLLM's ``prompt_logprobs=k``: the same alternatives per prompt position as the torch backend, with
+    and without the prompt tokens' own logprobs."""
+    vllm_engine, torch_engine = engines
+    for want_own in (True, False):
+        got = [e.sample(PROMPTS[1], 1, greedy(2), include_prompt_logprobs=want_own, prompt_top_logprobs=4
+                        ).result(WAIT) for e in (vllm_engine, torch_engine)]
+        (vp, tp), (vo, to) = ([r.prompt_top_logprobs for r in got], [r.prompt_logprobs for r in got])
+        assert vp[0] is None and tp[0] is None and len(vp) == len(tp) == len(PROMPTS[1])
+        assert [[i for i, _ in row] for row in vp[1:]] == [[i for i, _ in row] for row in tp[1:]]
+        np.testing.assert_allclose([[lp for _, lp in row] for row in vp[1:]],
+                                   [[lp for _, lp in row] for row in tp[1:]], atol=1e-4)
+        if want_own:
+            np.testing.assert_allclose(vo[1:], to[1:], atol=1e-4)
+        else:
+            assert vo is None and to is None
+
+
 def test_seeded_sampling_reproduces(engines):
     vllm_engine, _ = engines
     params = rle.SamplingParams(max_tokens=8, temperature=1.0, top_k=50, top_p=0.9, seed=11, ignore_eos=True)

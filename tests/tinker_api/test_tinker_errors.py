@@ -127,8 +127,11 @@ def test_malformed_bodies_are_typed_errors(url):
     image = sample_body(ssid, 1)
     image["prompt"] = {"chunks": [{"type": "image", "data": "AAAA", "format": "png"}]}
     assert error(call(url, "asample", image), 400, "not_supported")["field"] == "prompt.chunks[0].type"
-    body = error(call(url, "asample", sample_body(ssid, 2, topk_sample_logprobs=3)), 400, "not_supported")
-    assert body["field"] == "topk_sample_logprobs" and body["value"] == 3
+    for field, k in (("topk_sample_logprobs", 21), ("topk_prompt_logprobs", 21), ("topk_prompt_logprobs", -1)):
+        body = error(call(url, "asample", sample_body(ssid, 2, **{field: k})), 400, "invalid")
+        assert (body["field"], body["value"]) == (field, k)
+    body = error(call(url, "asample", sample_body(ssid, 2, prompt_alt_tokens_k=2)), 400, "not_supported")
+    assert body["field"] == "prompt_alt_tokens_k" and body["value"] == 2
     body = error(call(url, "asample", sample_body(ssid, 3, params={"temperature": -1.0})), 400, "invalid")
     assert body["field"] == "temperature"
     assert error(call(url, "asample", {**sample_body(ssid, 4), "prompt": {"chunks": [
@@ -164,7 +167,7 @@ def test_another_keys_sessions_models_and_futures_are_forbidden(url):
 
 def test_unserved_endpoints_answer_not_supported(url):
     for method, path in (("POST", "create_custom_loss"), ("POST", "save_weights_external"),
-                         ("GET", "training_runs"), ("POST", "auth/token"), ("GET", "no/such/thing")):
+                         ("GET", "sessions"), ("POST", "auth/token"), ("GET", "no/such/thing")):
         body = error(call(url, path, {}, method=method), 404, "not_supported")
         assert path in body["value"]
     sid = session(url)
@@ -179,9 +182,15 @@ def test_known_unserved_features_are_not_supported_and_unknown_names_invalid(url
     does not have either are ``invalid``, naming the field and the value."""
     sid = session(url)
     model_id = lora_model(url, sid)
-    for seq, loss in enumerate(("dro", "gspo", "stable_reinforce", "custom"), start=1):
+    for seq, loss in enumerate(("stable_reinforce", "custom"), start=1):
         body = error(call(url, "forward_backward", _ce_body(model_id, seq, loss_fn=loss)), 400, "not_supported")
         assert (body["field"], body["value"]) == ("loss_fn", loss) and loss in body["message"]
+    # dro and gspo are served; the settings Tinker documents no default for are required, by name.
+    body = error(call(url, "forward_backward", _ce_body(model_id, 3, loss_fn="dro")), 400, "invalid")
+    assert (body["field"], body["value"]) == ("loss_fn_config['beta']", None)
+    gspo = _ce_body(model_id, 4, loss_fn="gspo")
+    gspo["forward_backward_input"]["loss_fn_config"] = {"clip_low_threshold": 0.8}
+    assert error(call(url, "forward_backward", gspo), 400, "invalid")["field"] == "loss_fn_config['clip_high_threshold']"
     body = error(call(url, "forward_backward", _ce_body(model_id, 5, loss_fn="ppo2")), 400, "invalid")
     assert (body["field"], body["value"]) == ("loss_fn", "ppo2") and "cross_entropy" in body["message"]
     for seq, (family, status, code) in enumerate((("dimuon", 400, "not_supported"), ("sgd", 400, "invalid")),
@@ -463,6 +472,10 @@ def test_the_sim_backend_samples_but_does_not_train(engine_config, ckpt_dir):
                                                                 "base_model": sim.model_name}).json()["sampling_session_id"]
             rid = call(server.url, "asample", sample_body(ssid, 1, max_tokens=5)).json()["request_id"]
             assert [len(s["tokens"]) for s in result(server.url, rid)["sequences"]] == [5]
+            # The sim reports no top-k logprobs: the fields asking for them are not supported, by name.
+            for seq, field in enumerate(("topk_sample_logprobs", "topk_prompt_logprobs"), start=2):
+                body = error(call(server.url, "asample", sample_body(ssid, seq, **{field: 2})), 400, "not_supported")
+                assert (body["field"], body["value"]) == (field, 2) and "sim" in body["message"]
         finally:
             server.close()
 

@@ -93,6 +93,46 @@ def test_sample_responses_decode_in_the_sdk():
         encode_sample_response(SampleResponse(sequences=[SampledSequence(stop_reason="abort")]))
 
 
+def test_top_k_logprobs_decode_in_the_sdk_and_match_the_json_rendering():
+    """Top-k matrices: per sampled token, and per prompt position with the first (and, with
+    ``prompt_logprobs_last_n``, those before the last n) empty, which the SDK reads as None."""
+    from rlengine.tinker_api.wire import sample_response_json
+
+    rng = np.random.default_rng(1)
+    k = 3
+    top_ids = rng.integers(0, 1000, size=(2, k)).astype(np.int32)
+    top_lps = -rng.uniform(0, 5, size=(2, k)).astype(np.float32)
+    seqs = [SampledSequence(stop_reason="stop", tokens_raw=np.array([5, 2], np.int32).tobytes(),
+                            logprobs_raw=np.array([-0.5, -1.25], np.float32).tobytes(),
+                            top_ids_raw=top_ids.tobytes(), top_logprobs_raw=top_lps.tobytes()),
+            SampledSequence(stop_reason="length", tokens_raw=np.array([7], np.int32).tobytes(),
+                            logprobs_raw=np.array([-2.0], np.float32).tobytes())]
+    prompt_ids = rng.integers(0, 1000, size=(3, k)).astype(np.int32)  # a prompt of 4 tokens
+    prompt_lps = -rng.uniform(0, 5, size=(3, k)).astype(np.float32)
+    response = SampleResponse(sequences=seqs, prompt_top_k=k, prompt_top_ids_raw=prompt_ids.tobytes(),
+                              prompt_top_logprobs_raw=prompt_lps.tobytes())
+
+    def rows(ids, lps):
+        return [[(int(t), float(lp)) for t, lp in zip(i, lp_row)] for i, lp_row in zip(ids, lps)]
+
+    for last_n, unscored in ((None, 1), (2, 2), (3, 1), (9, 1)):
+        sdk = deserialize_sample_response(encode_sample_response(response, prompt_logprobs_last_n=last_n))
+        assert sdk.sequences[0].topk_logprobs == rows(top_ids, top_lps)
+        assert sdk.sequences[1].topk_logprobs is None
+        want = [None] * unscored + rows(prompt_ids, prompt_lps)[unscored - 1:]
+        assert sdk.topk_prompt_logprobs == want
+        assert sdk.prompt_logprobs is None
+        json = sample_response_json(response, last_n)
+        assert json["topk_prompt_logprobs"] == [None if r is None else [list(p) for p in r] for r in want]
+        assert json["sequences"][0]["topk_logprobs"] == [[list(p) for p in r] for r in rows(top_ids, top_lps)]
+        assert "topk_logprobs" not in json["sequences"][1] and "prompt_logprobs" not in json
+    assert response.prompt_top_logprobs == [None, *rows(prompt_ids, prompt_lps)]
+    one = SampleResponse(sequences=seqs[1:], prompt_top_k=k, prompt_top_ids_raw=b"", prompt_top_logprobs_raw=b"")
+    assert deserialize_sample_response(encode_sample_response(one)).topk_prompt_logprobs == [None]
+    assert deserialize_sample_response(encode_sample_response(SampleResponse(sequences=seqs))
+                                       ).topk_prompt_logprobs is None
+
+
 def test_forward_backward_outputs_decode_in_the_sdk():
     outputs = [{"logprobs": TensorData.from_numpy(np.arange(n, dtype=np.float32) - 4.0),
                 "elementwise_loss": TensorData.from_numpy(np.full(n, 0.25, np.float32))} for n in (3, 1, 6)]

@@ -186,8 +186,101 @@ def test_a_refused_call_does_not_stall_the_next(served):
     with pytest.raises(tinker.BadRequestError, match=f"token id >= vocab size {vocab}"):
         training_client.forward_backward(bad, "cross_entropy").result(WAIT)
     with pytest.raises(tinker.BadRequestError, match="not_supported"):
-        training_client.forward_backward(_is_data(True), "dro").result(WAIT)
+        training_client.forward_backward(_is_data(True), "stable_reinforce").result(WAIT)
     assert training_client.forward_backward(_ce_data(True), "cross_entropy").result(WAIT).metrics["loss:sum"] > 0
+
+
+def _dro_gspo_reference(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray], config: dict) -> float:
+    """The loss on Tinker's dro / gspo pages, written out in float64 from the returned target logprobs."""
+    logp, q, adv = (np.asarray(a, dtype=np.float64) for a in (logp, inputs["logprobs"], inputs["advantages"]))
+    if loss_fn == "dro":
+        return float(-(logp * adv - 0.5 * config["beta"] * (logp - q) ** 2).sum())
+    s = np.exp((logp - q)[inputs["sequence_ratio_mask"] != 0].mean())
+    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+    return float(-np.minimum(s * adv, np.clip(s, lo, hi) * adv).sum())
+
+
+def test_dro_and_gspo_train_through_the_sdk_with_the_documented_loss(served):
+    """``loss:sum`` is the documented formula over the target logprobs the call returns; the losses' required
+    settings are typed errors naming them, and ``stable_reinforce`` stays ``not_supported``."""
+    _, _, client = served
+    training_client = client.create_lora_training_client(base_model="tiny", rank=4, seed=6).result(WAIT)
+    data, raw = [], []
+    for datum in _is_data(True):
+        inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
+        # Sampler logprobs the model's own, shifted per token: the gspo ratio lands outside the clip range.
+        inputs["sequence_ratio_mask"] = (np.arange(len(inputs["advantages"])) >= 2).astype(np.float32)
+        raw.append(inputs)
+        data.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
+    own = training_client.forward([types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": inputs["target_tokens"]}) for d, inputs in zip(data, raw)], "cross_entropy").result(WAIT)
+    rng = np.random.default_rng(8)
+    for inputs, out in zip(raw, own.loss_fn_outputs, strict=True):
+        lp = out["logprobs"].to_numpy()
+        inputs["logprobs"] = (lp + rng.normal(0.05, 0.1, lp.shape)).astype(np.float32)
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs=inputs) for d, inputs in zip(data, raw)]
+    for loss_fn, config in (("dro", {"beta": 0.3}), ("gspo", {"clip_low_threshold": 0.98,
+                                                              "clip_high_threshold": 1.02})):
+        batch = data if loss_fn == "gspo" else [types.Datum(model_input=d.model_input, loss_fn_inputs={
+            k: v for k, v in inputs.items() if k != "sequence_ratio_mask"}) for d, inputs in zip(data, raw)]
+        result = training_client.forward_backward(batch, loss_fn, config).result(WAIT)
+        want = sum(_dro_gspo_reference(loss_fn, o["logprobs"].to_numpy(), inputs, config)
+                   for o, inputs in zip(result.loss_fn_outputs, raw, strict=True))
+        assert result.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+        assert training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result(WAIT).metrics["grad_norm"] > 0
+    with pytest.raises(tinker.BadRequestError, match=r"loss_fn_config\['beta'\]"):
+        training_client.forward_backward(data[:1], "dro").result(WAIT)
+    with pytest.raises(tinker.BadRequestError, match="sequence_ratio_mask"):
+        training_client.forward_backward(_is_data(True), "gspo", {"clip_low_threshold": 0.8,
+                                                                  "clip_high_threshold": 1.2}).result(WAIT)
+    with pytest.raises(tinker.BadRequestError, match="not_supported"):
+        training_client.forward_backward(data, "stable_reinforce").result(WAIT)
+
+
+def test_topk_logprobs_through_the_sdk_are_the_models_own(served):
+    """``topk_prompt_logprobs`` and ``topk_sample_logprobs``: the k most likely tokens of the HF model's own
+    log_softmax at each prompt position and at each sampled position (a teacher-forced forward of prompt +
+    sample); a greedy token is the first of its row, with its own logprob; ``prompt_logprobs_last_n`` empties
+    the rows before the last n."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine, _, client = served
+    model = AutoModelForCausalLM.from_pretrained(engine.model_path, local_files_only=True).eval()
+
+    def top(tokens: list[int], start: int, k: int) -> list[list[tuple[int, float]]]:
+        with torch.no_grad():
+            ref = model(torch.tensor([tokens])).logits[0, start:-1].double().log_softmax(-1).topk(k)
+        return [list(zip(i, v)) for i, v in zip(ref.indices.tolist(), ref.values.tolist())]
+
+    def same(got, want) -> None:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert [t for t, _ in g] == [t for t, _ in w]
+            np.testing.assert_allclose([lp for _, lp in g], [lp for _, lp in w], atol=1e-4)
+
+    sampler = client.create_sampling_client(base_model="tiny").result(WAIT)
+    prompt = types.ModelInput.from_ints(LP_PROMPT)
+    result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, seed=3, temperature=1.0),
+                            include_prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=3).result(WAIT)
+    assert result.topk_prompt_logprobs[0] is None
+    same(result.topk_prompt_logprobs[1:], top(LP_PROMPT, 0, 5))
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(LP_PROMPT)
+    for seq in result.sequences:
+        same(seq.topk_logprobs, top(LP_PROMPT + seq.tokens, len(LP_PROMPT) - 1, 3))
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0),
+                            topk_sample_logprobs=2).result(WAIT)
+    assert greedy.prompt_logprobs is None and greedy.topk_prompt_logprobs is None
+    seq = greedy.sequences[0]
+    for token, lp, row in zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True):
+        assert row[0][0] == token and abs(row[0][1] - lp) < 1e-5 and row[1][1] <= row[0][1]
+    last = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          topk_prompt_logprobs=2, prompt_logprobs_last_n=3).result(WAIT)
+    assert last.topk_prompt_logprobs[:-3] == [None] * (len(LP_PROMPT) - 3)
+    same(last.topk_prompt_logprobs[-3:], top(LP_PROMPT, len(LP_PROMPT) - 4, 2))
+    assert last.sequences[0].topk_logprobs is None
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), topk_sample_logprobs=21).result(WAIT)
 
 
 def _sample(sampler, seed: int = 11) -> list[list[int]]:

@@ -16,8 +16,10 @@ step; a non-streaming one reports once, when it finishes, with all its
 tokens. Sampling is per request (``sampling``): temperature (0 = greedy),
 top-k, top-p and a per-request ``torch.Generator`` seeded with the request's
 seed. The logprob of each token is the raw ``log_softmax``, what the trainer
-computes. Stop tokens are included in the output, as in vLLM and Tinker;
-stop strings end generation at the token that completes them.
+computes; so are the prompt logprobs and the top k at each prompt position
+(``BackendRequest.prompt_top_logprobs``), from the prefill's own logits.
+Stop tokens are included in the output, as in vLLM and Tinker; stop strings
+end generation at the token that completes them.
 
 A request with a ``constraint`` (constrained decoding: an xgrammar
 structural tag) gets its own grammar matcher at ``add_request`` (compiled
@@ -67,6 +69,8 @@ class _Seq:
         "processed",
         "prompt",
         "prompt_logprobs",
+        "prompt_top",
+        "prompt_tops",
         "reported",
         "rid",
         "stop_ids",
@@ -111,6 +115,11 @@ class _Seq:
         self.want_prompt_logprobs = req.prompt_logprobs
         self.prompt_logprobs: list[float] | None = None
         """Computed at prefill; handed out with the first output."""
+        self.prompt_top = int(req.prompt_top_logprobs)
+        """How many alternatives to record per prompt position (``prompt_tops``)."""
+        self.prompt_tops: tuple[list[int], list[float]] | None = None
+        """``(ids, logprobs)``, ``prompt_top`` per prompt token after the first: computed at prefill,
+        handed out with the first output."""
         self.length = 0
         """Tokens of this sequence held in its KV cache slot."""
 
@@ -150,7 +159,7 @@ class TorchBackend:
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
                                          constraints=self.tokenizer is not None, top_logprobs=MAX_TOP_LOGPROBS,
-                                         weight_install=True, why_not_sleep=why,
+                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, weight_install=True, why_not_sleep=why,
                                          logprobs_modes=("processed", "raw") if processed else ("raw", "processed"))
         # Every name a weight install may use (tied aliases included) and the
         # canonical parameter each one lands in.
@@ -239,10 +248,12 @@ class TorchBackend:
             if joiners:
                 first = len(running)
                 running.extend(joiners)
-                logits, prompt_lps = self.runner.prefill([s.prompt for s in joiners], first,
-                                                         [s.want_prompt_logprobs for s in joiners])
-                for s in joiners:
+                logits, prompt_lps, prompt_tops = self.runner.prefill(
+                    [s.prompt for s in joiners], first, [s.want_prompt_logprobs for s in joiners],
+                    [s.prompt_top for s in joiners])
+                for s, tops in zip(joiners, prompt_tops):
                     s.length = len(s.prompt)
+                    s.prompt_tops = tops
                 self._emit(joiners, first, logits, prompt_lps, outputs, finished)
             self._free_slots(finished)
             self.steps += 1
@@ -331,7 +342,9 @@ class TorchBackend:
         if seq.top:
             out.top_ids = seq.top_ids[start * seq.top:]
             out.top_logprobs = seq.top_logprobs[start * seq.top:]
-        seq.prompt_logprobs = None
+        if seq.prompt_tops is not None:
+            out.prompt_top_ids, out.prompt_top_logprobs = seq.prompt_tops
+        seq.prompt_logprobs = seq.prompt_tops = None
         return out
 
     def _free_slots(self, slots: list[int]) -> None:

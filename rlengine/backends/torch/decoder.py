@@ -203,29 +203,33 @@ class DecoderRunner:
 
     # -- prefill and decode -------------------------------------------------------------
 
-    def prefill(self, prompts: list[list[int]], first_slot: int,
-                want_prompt_logprobs: list[bool]) -> tuple[torch.Tensor, list[list[float] | None]]:
+    def prefill(self, prompts: list[list[int]], first_slot: int, want_prompt_logprobs: list[bool],
+                prompt_top: list[int] | None = None) -> tuple[torch.Tensor, list[list[float] | None], list[Any]]:
         """Run new prompts into slots ``first_slot..``; returns the float32 logits of
-        each prompt's last position [B, vocab] and, where asked, the logprob of
-        every prompt token after the first."""
+        each prompt's last position [B, vocab], where asked the logprob of every prompt
+        token after the first, and where ``prompt_top[i]`` k > 0 the k most likely tokens
+        at each of those positions (``(ids, logprobs)``, k per position, flat)."""
+        prompt_top = prompt_top or [0] * len(prompts)
         if not self.batch_invariant:
-            return self._prefill(prompts, first_slot, want_prompt_logprobs)
+            return self._prefill(prompts, first_slot, want_prompt_logprobs, prompt_top)
         # Each run of equal-length prompts on its own, rows in fixed chunks: no padding, so a
         # prompt's numbers are its own whatever is prefilled with it.
         logits: list[torch.Tensor] = []
         prompt_logprobs: list[list[float] | None] = []
+        prompt_tops: list[Any] = []
         start = 0
         for _, run in itertools.groupby(prompts, key=len):
             n = len(list(run))
-            part, lps = self._prefill(prompts[start:start + n], first_slot + start,
-                                      want_prompt_logprobs[start:start + n])
+            part, lps, tops = self._prefill(prompts[start:start + n], first_slot + start,
+                                            want_prompt_logprobs[start:start + n], prompt_top[start:start + n])
             logits.append(part)
             prompt_logprobs += lps
+            prompt_tops += tops
             start += n
-        return torch.cat(logits), prompt_logprobs
+        return torch.cat(logits), prompt_logprobs, prompt_tops
 
-    def _prefill(self, prompts: list[list[int]], first_slot: int,
-                 want_prompt_logprobs: list[bool]) -> tuple[torch.Tensor, list[list[float] | None]]:
+    def _prefill(self, prompts: list[list[int]], first_slot: int, want_prompt_logprobs: list[bool],
+                 prompt_top: list[int]) -> tuple[torch.Tensor, list[list[float] | None], list[Any]]:
         b = len(prompts)
         lengths = [len(p) for p in prompts]
         n = max(lengths)
@@ -255,22 +259,38 @@ class DecoderRunner:
         hidden = self._layers(self.embed(ids), positions, mask, store)
         last = hidden[torch.arange(b, device=self.device), torch.as_tensor(lengths, device=self.device) - 1]
         prompt_logprobs: list[list[float] | None] = []
-        for i, want in enumerate(want_prompt_logprobs):
-            if not want:
+        prompt_tops: list[Any] = []
+        for i, (want, k) in enumerate(zip(want_prompt_logprobs, prompt_top)):
+            if not want and not k:
                 prompt_logprobs.append(None)
+                prompt_tops.append(None)
                 continue
             targets = ids[i, 1:lengths[i]]
-            prompt_logprobs.append(self.target_logprobs(hidden[i, :lengths[i] - 1], targets).tolist())
-        return self._rows(self.lm_head, last).float(), prompt_logprobs
+            lps, top_lps, top_ids = self.target_logprobs(hidden[i, :lengths[i] - 1], targets, k)
+            prompt_logprobs.append(lps.tolist() if want else None)
+            prompt_tops.append(None if top_ids is None else (top_ids.flatten().tolist(), top_lps.flatten().tolist()))
+        return self._rows(self.lm_head, last).float(), prompt_logprobs, prompt_tops
 
-    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log_softmax(logits)[target] per position, in chunks of positions."""
-        out = []
+    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, top: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """log_softmax(logits)[target] per position, in chunks of positions; with ``top`` k > 0 also
+        the k largest log_softmax values of each position and their token ids (else None, None)."""
+        out, top_lps, top_ids = [], [], []
         for start in range(0, targets.shape[0], _LOGIT_CHUNK):
             logits = self._logits(hidden[start:start + _LOGIT_CHUNK])
             chunk = targets[start:start + _LOGIT_CHUNK]
-            out.append(logits.gather(-1, chunk[:, None]).squeeze(-1) - logits.logsumexp(-1))
-        return torch.cat(out) if out else torch.zeros(0)
+            norm = logits.logsumexp(-1)
+            out.append(logits.gather(-1, chunk[:, None]).squeeze(-1) - norm)
+            if top:
+                values, indices = (logits - norm[:, None]).topk(top, dim=-1)
+                top_lps.append(values)
+                top_ids.append(indices)
+        lps = torch.cat(out) if out else torch.zeros(0)
+        if not top:
+            return lps, None, None
+        if not top_ids:
+            return lps, torch.zeros((0, top)), torch.zeros((0, top), dtype=torch.long)
+        return lps, torch.cat(top_lps), torch.cat(top_ids)
 
     def decode(self, tokens: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
         """One token for each live slot ``0..S-1``: ``tokens[i]`` goes at position
