@@ -8,6 +8,9 @@ bf16) and measures, through the Engine:
 * mean turn latency of 64 agents x 4 turns with heavy-tailed (lognormal)
   turn lengths, continuous sampling vs batch waves;
 * one forward_backward (16 x 512 tokens, importance_sampling) + optim_step;
+* tree training: a GRPO group of 8 x (1,024 shared prompt + 128 sampled
+  tokens), seconds per forward_backward flat vs tree batches (two torch
+  trainers outside the Engine), and their largest logprob difference;
 * a weight install (trainer -> sampler, in-process), per MB;
 * then the same through the vLLM backend, plus sleep/wake times, whenever
   vLLM is importable (the JSON says plainly when it is not).
@@ -160,6 +163,46 @@ def weight_install(engine: rle.Engine) -> dict[str, Any]:
     return {"sampler_weights_mb": mb, "install_s": t, "install_ms_per_mb": t * 1e3 / mb}
 
 
+def tree_training(path: str, spec: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """A GRPO group, 8 x (1,024 shared prompt + 128 sampled tokens), through two torch trainers on
+    the device: seconds per forward_backward on the flat path (``tree_min_prefix=0``) and with
+    tree batches, in alternating rounds, and the largest logprob difference between the two."""
+    from rlengine.trainer.torch_trainer import TorchTrainer
+
+    group, prompt_len, sampled, min_prefix = (4, 64, 16, 16) if quick else (8, 1024, 128, 64)
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, spec["vocab_size"], prompt_len)
+    data = []
+    for _ in range(group):
+        seq = np.concatenate([prompt, rng.integers(3, spec["vocab_size"], sampled)])
+        n = seq.shape[0] - 1
+        data.append(rle.Datum(model_input=rle.ModelInput.from_ints(seq[:-1].tolist()), loss_fn_inputs={
+            "target_tokens": seq[1:].astype(np.int64),
+            "logprobs": np.full(n, -math.log(spec["vocab_size"]), dtype=np.float32),
+            "advantages": ((np.arange(n) >= prompt_len - 1) * rng.standard_normal()).astype(np.float32)}))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trainers = {name: TorchTrainer(path, device=device, compute_dtype=getattr(torch, spec["dtype"]),
+                                   tree_min_prefix=prefix) for name, prefix in (("flat", 0), ("tree", min_prefix))}
+    times: dict[str, list[float]] = {"flat": [], "tree": []}
+    logprobs = {}
+    for k in range(4):
+        for name in (("flat", "tree") if k % 2 else ("tree", "flat")):
+            trainers[name].model.zero_grad(set_to_none=True)
+            _sync()
+            t0 = time.perf_counter()
+            out = trainers[name].forward_backward(data, "importance_sampling", (0.0, math.inf))
+            _sync()
+            if k:  # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+            logprobs[name] = np.concatenate([r["logprobs"].to_numpy() for r in out.loss_fn_outputs])
+    flat_s, tree_s = statistics.median(times["flat"]), statistics.median(times["tree"])
+    packed = sum(tree.tokens.shape[0] for _, tree in trainers["tree"]._plan(data))
+    return {"group": group, "prompt": prompt_len, "sampled": sampled, "packed_tokens": packed,
+            "dtype": spec["dtype"], "flat_forward_backward_s": flat_s, "tree_forward_backward_s": tree_s,
+            "ratio_flat_over_tree": flat_s / tree_s,
+            "max_abs_logprob_diff": float(np.abs(logprobs["flat"] - logprobs["tree"]).max())}
+
+
 def sleep_wake(engine: rle.Engine) -> dict[str, Any]:
     """vLLM sleep mode around a (no-op) blocking item: what colocation costs per training call."""
     backend = engine.backend
@@ -244,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {figures[name]} ({time.perf_counter() - t0:.1f} s)", flush=True)
         if torch.cuda.is_available():
             figures["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        t0 = time.perf_counter()
+        figures["tree_training"] = tree_training(path, spec, args.quick)
+        print(f"tree_training: {figures['tree_training']} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         t0 = time.perf_counter()
         figures["continuous_vs_wave"] = continuous_vs_wave(config, 64 if not args.quick else 8, 4 if not args.quick
                                                            else 2, 32 if not args.quick else 4,

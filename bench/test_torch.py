@@ -1,4 +1,4 @@
-"""Torch backend benchmarks (pytest-benchmark); figures in bench/RESULTS_torch.md.
+"""Torch backend and trainer benchmarks (pytest-benchmark); figures in bench/RESULTS.md.
 
 Each figure is measured against its baseline in the same run, rounds
 alternating, medians taken (the machine is a noisy 2-vCPU VM):
@@ -13,12 +13,18 @@ alternating, medians taken (the machine is a noisy 2-vCPU VM):
   Engine's ``save_weights_for_sampler`` (gate, drain, compute-thread hop
   included), per MB of weights, vs a plain ``dst.copy_(src)`` loop over the
   same tensors; for the tiny model and a ~50 MB one.
+* tree training (issue 19): seconds per ``TorchTrainer.forward_backward``,
+  the flat path (``tree_min_prefix=0``) over tree batches (the default), on
+  the tiny model's shape with 6 layers, for a GRPO group of 8 x (1,024
+  shared prompt + 128 sampled tokens), target >= 3x, and for an 8-turn agent
+  trace (one datum per turn, each extending the conversation), target >= 2x.
 
     OMP_NUM_THREADS=1 python -m pytest bench/test_torch.py --benchmark-only -s
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import threading
@@ -295,3 +301,83 @@ def test_batch_invariant_vs_default_decoding_per_token(benchmark, engine):
     r = _record(benchmark, result)
     for batch in pairs:
         assert r[f"batch{batch}_ratio_invariant_over_default"] <= BATCH_INVARIANT_TARGET_RATIO, r
+
+
+# -- tree training (issue 19) ------------------------------------------------------------------
+
+TREE_LAYERS = 6
+GROUP, PROMPT, SAMPLED = 8, 1024, 128
+TURNS, FIRST_PROMPT, TURN_IN, TURN_OUT = 8, 256, 64, 128
+TREE_ROUNDS = 5
+
+
+@pytest.fixture(scope="module")
+def tree_trainers(cache):
+    """The flat and the tree path of the torch trainer on the tiny model's shape with 6 layers."""
+    path = prepare(rle.EngineConfig(model="tiny", cache_dir=cache, model_args={"num_layers": TREE_LAYERS}))
+    return TorchTrainer(path, tree_min_prefix=0), TorchTrainer(path)
+
+
+def _rl_datum(seq: np.ndarray, actions: np.ndarray, rng: np.random.Generator) -> rle.Datum:
+    """An importance_sampling datum: advantage on the action tokens (``actions``, per target) only."""
+    n = seq.shape[0] - 1
+    return rle.Datum(model_input=rle.ModelInput.from_ints(seq[:-1].tolist()), loss_fn_inputs={
+        "target_tokens": seq[1:].astype(np.int64),
+        "logprobs": np.full(n, -7.0, dtype=np.float32),
+        "advantages": (actions * rng.normal()).astype(np.float32)})
+
+
+def _grpo_group(rng: np.random.Generator) -> list[rle.Datum]:
+    prompt = rng.integers(3, 1024, PROMPT)
+    actions = (np.arange(PROMPT + SAMPLED - 1) >= PROMPT - 1).astype(np.float32)
+    return [_rl_datum(np.concatenate([prompt, rng.integers(3, 1024, SAMPLED)]), actions, rng) for _ in range(GROUP)]
+
+
+def _agent_trace(rng: np.random.Generator) -> list[rle.Datum]:
+    """One datum per turn, each the whole conversation so far: the first prompt, then per turn
+    the model's reply (the action tokens) and, before the next one, a tool result."""
+    conversation, actions, data = rng.integers(3, 1024, FIRST_PROMPT), np.zeros(FIRST_PROMPT), []
+    for turn in range(TURNS):
+        conversation = np.concatenate([conversation, rng.integers(3, 1024, TURN_OUT)])
+        actions = np.concatenate([actions, np.ones(TURN_OUT)])
+        data.append(_rl_datum(conversation, actions[1:], rng))
+        if turn + 1 < TURNS:
+            conversation = np.concatenate([conversation, rng.integers(3, 1024, TURN_IN)])
+            actions = np.concatenate([actions, np.zeros(TURN_IN)])
+    return data
+
+
+def _flat_vs_tree(trainers: tuple[TorchTrainer, TorchTrainer], data: list[rle.Datum], target: float) -> dict:
+    """Seconds per forward_backward, flat and tree, in alternating rounds after a warm-up of each."""
+    times: dict[str, list[float]] = {"flat": [], "tree": []}
+    losses = {}
+    for k in range(TREE_ROUNDS + 1):
+        for name in (("flat", "tree") if k % 2 else ("tree", "flat")):
+            trainer = trainers[name == "tree"]
+            trainer.model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            out = trainer.forward_backward(data, "importance_sampling", (0.0, math.inf))
+            if k:  # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+            losses[name] = out.metrics["loss:sum"]
+    assert losses["tree"] == pytest.approx(losses["flat"], rel=1e-4, abs=1e-4)
+    flat_s, tree_s = statistics.median(times["flat"]), statistics.median(times["tree"])
+    packed = sum(tree.tokens.shape[0] for _, tree in trainers[1]._plan(data))
+    return {"datums": len(data), "flat_tokens": sum(d.model_input.length for d in data), "packed_tokens": packed,
+            "layers": TREE_LAYERS, "flat_s_per_forward_backward": flat_s, "tree_s_per_forward_backward": tree_s,
+            "ratio_flat_over_tree": flat_s / tree_s,
+            "round_ratios": [round(f / t, 2) for f, t in zip(times["flat"], times["tree"])], "target_ratio": target}
+
+
+def test_tree_training_grpo_group_vs_flat(record, tree_trainers):
+    """A GRPO group, 8 x (1,024 shared prompt + 128 sampled tokens): flat / tree >= 3x."""
+    data = _grpo_group(np.random.default_rng(0))
+    r = record(lambda: _flat_vs_tree(tree_trainers, data, 3.0))
+    assert r["ratio_flat_over_tree"] >= r["target_ratio"], r
+
+
+def test_tree_training_agent_trace_vs_flat(record, tree_trainers):
+    """An 8-turn agent trace, one datum per turn extending the conversation: flat / tree >= 2x."""
+    data = _agent_trace(np.random.default_rng(1))
+    r = record(lambda: _flat_vs_tree(tree_trainers, data, 2.0))
+    assert r["ratio_flat_over_tree"] >= r["target_ratio"], r

@@ -139,9 +139,9 @@ class LoraTrainer(TorchTrainer):
 
     def __init__(self, model_path: str, lora: LoraSpec, *, device: torch.device | None = None,
                  compute_dtype: torch.dtype = torch.float32, max_len: int | None = None,
-                 micro_batch_tokens: int = 8192) -> None:
+                 micro_batch_tokens: int = 8192, tree_min_prefix: int = 64) -> None:
         super().__init__(model_path, device=device, compute_dtype=compute_dtype, max_len=max_len,
-                         micro_batch_tokens=micro_batch_tokens)
+                         micro_batch_tokens=micro_batch_tokens, tree_min_prefix=tree_min_prefix)
         from peft import LoraConfig, get_peft_model
 
         base = self.model
@@ -220,5 +220,7 @@ def build(config: Any, model_path: str | None, lora: LoraSpec) -> LoraTrainer:
 
     if model_path is None:
         raise ConfigurationError("LoRA training needs a model directory (model='tiny' or a local path)")
+    args = engine_args(config)
     return LoraTrainer(model_path, lora, device=pick_device(config), compute_dtype=torch_dtype(config),
-                       max_len=config.max_model_len, micro_batch_tokens=engine_args(config)["micro_batch_tokens"])
+                       max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"],
+                       tree_min_prefix=args["tree_min_prefix"])

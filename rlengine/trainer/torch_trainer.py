@@ -13,13 +13,22 @@ with the sampler drained:
   ``d loss / d logp``; that is chained into the model with
   ``torch.autograd.backward(logp, dlogp)``. So there is one definition of
   every loss, shared with the sim trainer, and the torch trainer cannot drift
-  from it. Gradients accumulate across calls until ``optim_step``. With an
-  entropy bonus (``LossSettings.entropy_coef``, see ``losses``) the entropy
-  of each position's whole next-token distribution is computed from the
-  same logits and ``-coef * mask * H`` joins the backward pass. With a KL
-  penalty (``LossSettings.kl_coef``) a frozen copy of the initial weights,
-  loaded from the model directory on first use, gives the reference logprobs
-  (no graph) and ``kl_coef * mask * dKL/dlogp`` joins ``dlogp``.
+  from it. Datums that share a prefix of at least ``tree_min_prefix``
+  tokens (a GRPO group's prompt, earlier turns sent as datums of their own)
+  run as tree batches instead (``rlengine.trainer.tree``): each shared
+  prefix once, the branches after it, one forward over the packed tokens
+  with their own position ids and ``tree.tree_attention`` (each token
+  attends to its ancestors only), each datum's logits read back by index;
+  the backward pass sums the branches' gradients into the shared tokens, so
+  losses, outputs and gradients are the flat ones up to float rounding. The reference policy's
+  forward takes the same tree. Gradients accumulate across calls until
+  ``optim_step``. With an entropy bonus (``LossSettings.entropy_coef``, see
+  ``losses``) the entropy of each position's whole next-token distribution
+  is computed from the same logits and ``-coef * mask * H`` joins the
+  backward pass. With a KL penalty (``LossSettings.kl_coef``) a frozen copy
+  of the initial weights, loaded from the model directory on first use,
+  gives the reference logprobs (no graph) and ``kl_coef * mask * dKL/dlogp``
+  joins ``dlogp``.
 * ``optim_step(AdamParams)``: torch AdamW with the given hyperparameters,
   after global grad-norm clipping when ``grad_clip_norm > 0``.
 * ``sampler_weights``: the parameters themselves, by HF name, for the
@@ -36,9 +45,11 @@ touch the backend or engine state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -59,6 +70,7 @@ from rlengine.trainer.losses import (
     reference_kl,
     validate_data,
 )
+from rlengine.trainer.tree import TreeBatch, pack, tree_attention, tree_groups
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 __all__ = ["TorchTrainer", "build"]
@@ -70,6 +82,39 @@ _STATE_FORMAT = "rlengine-torch-trainer-1"
 _MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 _OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
+_FLAT_ATTENTION = "sdpa"
+"""The attention implementation of the trainer's models (set explicitly: the tree forward restores it)."""
+_TREE_ATTENTION = "rlengine_tree"
+"""The name ``tree.tree_attention`` is registered under in transformers' attention interfaces."""
+
+
+def _register_tree_attention() -> None:
+    """Register ``tree_attention`` with transformers (idempotent): as the attention function, and
+    a mask function that builds nothing, since the tree batch is the mask."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(_TREE_ATTENTION, tree_attention)
+    AttentionMaskInterface.register(_TREE_ATTENTION, lambda *args, **kwargs: None)
+
+
+def _load_model(model_path: str, device: torch.device) -> Any:
+    model = load_causal_lm(model_path, device, torch.float32)
+    model.set_attn_implementation(_FLAT_ATTENTION)
+    # Eval mode: no dropout, so a forward is a deterministic function of the
+    # weights (autograd does not care about the mode).
+    model.eval()
+    return model
+
+
+@contextlib.contextmanager
+def _tree_attention_in(model: Any) -> Iterator[None]:
+    """Run ``model``'s forward passes with ``tree_attention``, then restore ``_FLAT_ATTENTION``
+    (the backward pass does not look the implementation up again)."""
+    model.set_attn_implementation(_TREE_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(_FLAT_ATTENTION)
 
 
 class TorchTrainer:
@@ -79,15 +124,12 @@ class TorchTrainer:
 
     def __init__(self, model_path: str, *, device: torch.device | None = None,
                  compute_dtype: torch.dtype = torch.float32, max_len: int | None = None,
-                 micro_batch_tokens: int = 8192) -> None:
+                 micro_batch_tokens: int = 8192, tree_min_prefix: int = 64) -> None:
         self.threads = configure_threads()
         self.device = device or torch.device("cpu")
         self.model_path = model_path
         self.compute_dtype = compute_dtype
-        self.model = load_causal_lm(model_path, self.device, torch.float32)
-        # Eval mode: no dropout, so a forward is a deterministic function of the
-        # weights (autograd does not care about the mode).
-        self.model.eval()
+        self.model = _load_model(model_path, self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
@@ -95,6 +137,9 @@ class TorchTrainer:
         if self.max_len <= 0:
             raise ConfigurationError(f"model={model_path!r}: no max_position_embeddings; set max_model_len")
         self.micro_batch_tokens = micro_batch_tokens
+        self.tree_min_prefix = tree_min_prefix
+        if tree_min_prefix:
+            _register_tree_attention()
         self.named_params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(list(self.named_params.values()), lr=AdamParams().learning_rate)
         self._reference: Any = None
@@ -103,7 +148,7 @@ class TorchTrainer:
     # -- forward passes ---------------------------------------------------------------
 
     def _micro_batches(self, data: list[Datum]) -> list[list[int]]:
-        """Datum indices in order, grouped so that padded tokens stay within budget."""
+        """Datum indices in order, grouped so that padded tokens stay within budget (the flat path)."""
         groups: list[list[int]] = []
         longest = 0
         for i, datum in enumerate(data):
@@ -116,63 +161,81 @@ class TorchTrainer:
                 longest = n
         return groups
 
-    def _reference_logprobs(self, data: list[Datum]) -> np.ndarray:
+    def _plan(self, data: list[Datum]) -> list[tuple[list[int], TreeBatch | None]]:
+        """Micro-batches: datum indices and their tree batch (``tree``), or None for the flat
+        padded forward. Tree batches when some datums share at least ``tree_min_prefix``
+        leading tokens (0: never), each within ``micro_batch_tokens`` packed tokens;
+        otherwise ``_micro_batches``, all flat."""
+        if self.tree_min_prefix:
+            seqs = [d.model_input.to_numpy() for d in data]
+            groups = tree_groups(seqs, self.tree_min_prefix, self.micro_batch_tokens)
+            if groups is not None:
+                return [(g, pack([seqs[i] for i in g], self.tree_min_prefix)) for g in groups]
+        return [(group, None) for group in self._micro_batches(data)]
+
+    def _reference_logprobs(self, data: list[Datum], tree: TreeBatch | None) -> np.ndarray:
         """``logp`` of every target under the reference policy: the model's initial weights,
         loaded from its directory on first use and never trained (float32, no graph)."""
         if self._reference is None:
-            self._reference = load_causal_lm(self.model_path, self.device, torch.float32)
-            self._reference.eval()
+            self._reference = _load_model(self.model_path, self.device)
             self._reference.requires_grad_(False)
         with torch.no_grad():
-            logp, _ = self._target_logprobs(data, entropy=False, model=self._reference)
+            logp, _ = self._target_logprobs(data, entropy=False, model=self._reference, tree=tree)
         return logp.cpu().numpy()
 
-    def _target_logprobs(self, data: list[Datum], entropy: bool,
-                         model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _target_logprobs(self, data: list[Datum], entropy: bool, model: Any = None,
+                         tree: TreeBatch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``logp`` of every target, datums concatenated in order (float32, with graph),
         and with ``entropy`` the entropy of the next-token distribution at each position;
-        ``model`` None: the trained one."""
+        ``model`` None: the trained one; ``tree``: the datums' tree batch, one packed forward."""
+        model = model or self.model
         lengths = [d.model_input.length for d in data]
-        n = max(lengths)
-        ids = torch.zeros((len(data), n), dtype=torch.long)
-        targets = torch.zeros((len(data), n), dtype=torch.long)
-        for i, d in enumerate(data):
-            ids[i, :lengths[i]] = torch.from_numpy(d.model_input.to_numpy().astype(np.int64))
-            targets[i, :lengths[i]] = torch.from_numpy(d.loss_fn_inputs["target_tokens"].to_numpy().copy())
-        ids, targets = ids.to(self.device), targets.to(self.device)
+        targets = torch.from_numpy(np.concatenate([d.loss_fn_inputs["target_tokens"].to_numpy()
+                                                   for d in data])).to(self.device)
         autocast = self.compute_dtype != torch.float32
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            logits = (model or self.model)(input_ids=ids).logits
-        logits = logits.float()
+        if tree is None:
+            n = max(lengths)
+            ids = torch.zeros((len(data), n), dtype=torch.long)
+            for i, d in enumerate(data):
+                ids[i, :lengths[i]] = torch.from_numpy(d.model_input.to_numpy().astype(np.int64))
+            with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+                logits = model(input_ids=ids.to(self.device)).logits
+            # The logits row of each datum token: row-major over the padded [len(data), n].
+            rows = torch.from_numpy(np.concatenate([i * n + np.arange(k) for i, k in enumerate(lengths)]))
+        else:
+            ids = torch.from_numpy(tree.tokens)[None].to(self.device)
+            positions = torch.from_numpy(tree.positions)[None].to(self.device)
+            with _tree_attention_in(model), \
+                    torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+                logits = model(input_ids=ids, position_ids=positions, use_cache=False,
+                               rlengine_tree=tree.attention(self.device)).logits
+            rows = torch.from_numpy(tree.index)
+        logits = logits.float().reshape(-1, logits.shape[-1])
+        rows = rows.to(self.device)
         norm = logits.logsumexp(-1)
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - norm
-        transform = self._transform(data, n)
+        logp = logits[rows, targets] - norm[rows]
+        transform = self._transform(data)
         if transform is not None:
-            # Positions with a sampling transform: the logprob under it (``losses``), target kept.
+            # Tokens with a sampling transform: the logprob under it (``losses``), target kept.
             where, temperature, top_k, top_p = transform
-            flat, flat_targets = logits.reshape(-1, logits.shape[-1])[where], targets.reshape(-1)[where]
-            lp = processed_log_softmax(flat, temperature, top_k, top_p, keep=flat_targets)
-            logp = logp.reshape(-1).index_put((where,), lp.gather(-1, flat_targets[:, None]).squeeze(-1))
-            logp = logp.reshape(len(data), n)
+            lp = processed_log_softmax(logits[rows[where]], temperature, top_k, top_p, keep=targets[where])
+            logp = logp.index_put((where,), lp.gather(-1, targets[where][:, None]).squeeze(-1))
         ent = None
         if entropy:
             # H = logsumexp(z) - sum softmax(z) * z, without materialising log_softmax.
-            ent = norm - (logits.softmax(-1) * logits).sum(-1)
-            ent = torch.cat([ent[i, :lengths[i]] for i in range(len(data))])
-        return torch.cat([logp[i, :lengths[i]] for i in range(len(data))]), ent
+            ent = (norm - (logits.softmax(-1) * logits).sum(-1))[rows]
+        return logp, ent
 
-    def _transform(self, data: list[Datum], n: int) -> tuple[torch.Tensor, ...] | None:
-        """The flat positions (row-major over [len(data), n]) whose ``temperature`` / ``top_k`` /
+    def _transform(self, data: list[Datum]) -> tuple[torch.Tensor, ...] | None:
+        """The token positions (datums concatenated) whose ``temperature`` / ``top_k`` /
         ``top_p`` inputs ask for a transform, and those values there; None if none do."""
         if not any(key in d.loss_fn_inputs for d in data for key in TRANSFORM_INPUTS):
             return None
-        values = {key: np.full((len(data), n), default, dtype=np.float32)
-                  for key, default in (("temperature", 1.0), ("top_k", 0.0), ("top_p", 1.0))}
-        for i, d in enumerate(data):
-            for key in TRANSFORM_INPUTS:
-                if key in d.loss_fn_inputs:
-                    column = d.loss_fn_inputs[key].to_numpy()
-                    values[key][i, :column.shape[0]] = column
+        values = {}
+        for key, default in (("temperature", 1.0), ("top_k", 0.0), ("top_p", 1.0)):
+            values[key] = np.concatenate([
+                d.loss_fn_inputs[key].to_numpy().astype(np.float32) if key in d.loss_fn_inputs
+                else np.full(d.model_input.length, default, dtype=np.float32) for d in data])
         top_k = values["top_k"]
         top_k = np.where(top_k <= 0, self.vocab_size, np.minimum(top_k, self.vocab_size))
         active = (values["temperature"] != 1.0) | (top_k < self.vocab_size) | (values["top_p"] < 1.0)
@@ -180,9 +243,9 @@ class TorchTrainer:
         if not where.size:
             return None
         return (torch.from_numpy(where).to(self.device),
-                torch.from_numpy(values["temperature"].reshape(-1)[where]).to(self.device),
-                torch.from_numpy(top_k.reshape(-1)[where].astype(np.int64)).to(self.device),
-                torch.from_numpy(values["top_p"].reshape(-1)[where]).to(self.device))
+                torch.from_numpy(values["temperature"][where]).to(self.device),
+                torch.from_numpy(top_k[where].astype(np.int64)).to(self.device),
+                torch.from_numpy(values["top_p"][where]).to(self.device))
 
     def _run(self, data: list[Datum], loss_fn: str, thresholds: tuple[float, ...],
              backward: bool) -> ForwardBackwardOutput:
@@ -194,12 +257,12 @@ class TorchTrainer:
         entropy_total = kl_total = 0.0
         corrected: Counter[str] = Counter()
         mismatch: list[dict[str, float]] = []
-        for group in self._micro_batches(data):
+        for group, tree in self._plan(data):
             batch = [data[i] for i in group]
             with torch.set_grad_enabled(backward):
-                logp, ent = self._target_logprobs(batch, entropy=coef > 0)
+                logp, ent = self._target_logprobs(batch, entropy=coef > 0, tree=tree)
             logp_np = logp.detach().cpu().numpy()
-            ref_np = self._reference_logprobs(batch) if settings.kl_coef is not None else None
+            ref_np = self._reference_logprobs(batch, tree) if settings.kl_coef is not None else None
             grads, masks = [], []
             offset = 0
             for i, datum in zip(group, batch):
@@ -358,7 +421,8 @@ def build(config: Any, model_path: str | None) -> TorchTrainer:
         raise ConfigurationError("backend='torch' needs a model directory (model='tiny' or a local path)")
     args = engine_args(config)
     return TorchTrainer(model_path, device=pick_device(config), compute_dtype=torch_dtype(config),
-                        max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"])
+                        max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"],
+                        tree_min_prefix=args["tree_min_prefix"])
 
 
 def build_beside_scripted(config: Any, model_path: str | None) -> TorchTrainer:

@@ -32,14 +32,18 @@ ENGINE_ARGS: dict[str, object] = {
     "prefill_tokens": 8192,
     "micro_batch_tokens": 8192,
     "batch_invariant": False,
+    "tree_min_prefix": 64,
 }
 """``EngineConfig.engine_args`` understood by the torch backend and trainer, with defaults:
 ``device`` (None: CUDA if available, else CPU); ``prefill_tokens``, the padded
 prompt tokens one prefill batch may hold (at least one whole prompt always
-fits); ``micro_batch_tokens``, the padded tokens per trainer forward pass;
-``batch_invariant``, a sequence's tokens and logprobs bitwise independent of
-what shares its batches (``decoder``; slower), which multi-turn runs need to be
-reproducible from their seed."""
+fits); ``micro_batch_tokens``, the padded tokens per trainer forward pass
+(packed tokens in a tree batch); ``batch_invariant``, a sequence's tokens and
+logprobs bitwise independent of what shares its batches (``decoder``; slower),
+which multi-turn runs need to be reproducible from their seed;
+``tree_min_prefix``, the trainer's tree batches: datums of a call sharing at
+least this many leading tokens are packed as a tree, each shared prefix
+computed once (``rlengine.trainer.tree``); 0 turns them off."""
 
 
 def configure_threads() -> int:
@@ -62,6 +66,9 @@ def engine_args(config: Any) -> dict[str, Any]:
         v = args[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigurationError(f"engine_args[{name!r}]={v!r}: must be an integer >= 1")
+    v = args["tree_min_prefix"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigurationError(f"engine_args['tree_min_prefix']={v!r}: must be an integer >= 0 (0: off)")
     if not isinstance(args["batch_invariant"], bool):
         raise ConfigurationError(f"engine_args['batch_invariant']={args['batch_invariant']!r}: must be true or false")
     return args
