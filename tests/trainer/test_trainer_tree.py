@@ -32,7 +32,9 @@ MIN_PREFIX = 4
 RATIOS = np.array([0.3, 0.79, 0.81, 1.0, 1.19, 1.21, 2.5, 4.5])
 CORRECTIONS = {"cross_entropy": {}, "importance_sampling": {"tis_cap": 1.5},
                "ppo": {"icepop_low": 0.5, "icepop_high": 2.0, "geo_mask_low": 0.5, "geo_mask_high": 2.0},
-               "cispo": {"mis_cap": 2.0}}
+               "cispo": {"mis_cap": 2.0}, "dro": {}, "gspo": {}}
+REQUIRED = {"dro": {"beta": 0.1}, "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
+"""Config the Tinker losses need (no documented default)."""
 
 
 def perturb(model: torch.nn.Module) -> None:
@@ -108,7 +110,10 @@ def batch(flat: TorchTrainer, seqs: list[list[int]], loss_fn: str, options: bool
         else:
             inputs["logprobs"] = (logp - np.log(np.resize(RATIOS, n))).astype(np.float32)
             inputs["advantages"] = rng.normal(0.0, 1.0, n).astype(np.float32)
-            if options:
+            if loss_fn == "gspo":
+                inputs["sequence_ratio_mask"] = (rng.random(n) > 0.3).astype(np.float32)
+                inputs["sequence_ratio_mask"][0] = 1.0
+            if options and loss_fn not in REQUIRED:  # the proximal policy of the ratio losses' corrections
                 inputs["old_logprobs"] = (logp + rng.normal(0.0, 0.2, n)).astype(np.float32)
         if options:
             inputs["mask"] = (rng.random(n) > 0.25).astype(np.float32)
@@ -118,7 +123,8 @@ def batch(flat: TorchTrainer, seqs: list[list[int]], loss_fn: str, options: bool
         data.append(rle.Datum(model_input=datum.model_input,
                               loss_fn_inputs={k: rle.TensorData.from_numpy(v) if isinstance(v, np.ndarray) else v
                                               for k, v in inputs.items()}))
-    config = {"entropy_coef": 0.05, "kl_coef": 0.1, **CORRECTIONS[loss_fn]} if options else None
+    config = {"entropy_coef": 0.05, "kl_coef": 0.1, **CORRECTIONS[loss_fn]} if options else {}
+    config |= REQUIRED.get(loss_fn, {})
     return data, loss_settings(loss_fn, config)
 
 
@@ -164,7 +170,8 @@ def test_tree_equals_flat_for_every_loss(trainers, loss_fn, options):
     got = run(tree, data, loss_fn, settings)
     assert_same(run(flat, data, loss_fn, settings), got, params)
     if options:
-        ratio = {"is_tokens:sum", "mismatch_k1:sum"} if loss_fn != "cross_entropy" else set()
+        ratio = {"mismatch_k1:sum"} if loss_fn != "cross_entropy" else set()
+        ratio |= {"is_tokens:sum"} if CORRECTIONS[loss_fn] and loss_fn != "cross_entropy" else set()
         assert {"entropy:sum", "kl_ref:sum", *ratio} <= set(got[0].metrics)
 
 
