@@ -297,7 +297,9 @@ int32_t rle_arena_node_alloc(rle_trie *t)
     n->parent = -1;
     n->child = -1;
     n->sibling = -1;
+    n->refs = 0;
     n->kind = RLE_KIND_PROMPT;
+    n->flags = 0;
     t->live_nodes++;
     return idx;
 }
@@ -445,6 +447,8 @@ void rle_trie_stats_get(const rle_trie *t, rle_trie_stats *out)
     out->live_nodes = t->live_nodes;
     out->node_capacity = t->node_cap;
     out->roots = t->roots;
+    out->views = t->views;
+    out->shared_tokens = t->shared_tokens;
     out->blocks = 0;
     for (int32_t b = 0; b < t->nblocks; b++)
         out->blocks += t->blocks[b].cap > 0;
