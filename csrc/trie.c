@@ -11,7 +11,8 @@
  * Invariants: the children of a node start with distinct tokens; every
  * non-root edge is non-empty and lies in one block; edges never share slots.
  * A shared node's children are shared nodes (a view's private nodes hang
- * off attachments, not off the shared node itself).
+ * off attachments, not off the shared node itself), found through the
+ * index of trie_arena.c rather than sibling links.
  *
  * This file must not allocate (trie_arena.c does), must not call into
  * Python, and must leave the trie unchanged when a call fails: capacity is
@@ -38,8 +39,9 @@ static int64_t first_mismatch(const int32_t *a, const int32_t *b, int64_t n)
 }
 
 /* Split `c` after `k` tokens. The new record takes the upper part and c's
- * place among its siblings; c keeps the lower part and its children, so a
- * handle to the end of c still names the same position. */
+ * place among its siblings (or in the index, under a shared parent); c
+ * keeps the lower part and its children, so a handle to the end of c still
+ * names the same position. */
 int32_t rle_tree_split(rle_trie *t, int32_t c, int32_t k)
 {
     int32_t p = rle_arena_node_alloc(t);
@@ -55,16 +57,21 @@ int32_t rle_tree_split(rle_trie *t, int32_t c, int32_t k)
     /* Every view holding the lower part holds the upper one. */
     up->flags = lo->flags & NODE_SHARED;
     up->refs = lo->refs;
-    up->child = c;
-    up->sibling = lo->sibling;
-    int32_t *link = &nodes[lo->parent].child;
-    while (*link != c)
-        link = &nodes[*link].sibling;
-    *link = p;
     lo->off += k;
     lo->len -= k;
     lo->first = edge_tokens(t, lo)[0];
     lo->parent = p;
+    if (up->flags & NODE_SHARED) {
+        rle_index_put(t, up->parent, up->first, p);
+        rle_index_put(t, p, lo->first, c);
+        return p;
+    }
+    up->child = c;
+    up->sibling = lo->sibling;
+    int32_t *link = &nodes[up->parent].child;
+    while (*link != c)
+        link = &nodes[*link].sibling;
+    *link = p;
     lo->sibling = -1;
     return p;
 }
@@ -79,6 +86,14 @@ int32_t rle_tree_append(rle_trie *t, int32_t parent, const int32_t *tokens, cons
     c->parent = parent;
     c->kind = (uint8_t)kind;
     c->request_id = request_id;
+    if (nodes[parent].flags & NODE_SHARED) {
+        /* A shared node's children are shared; their order is never
+         * observed (a view lists leaves along its own path). */
+        c->flags = NODE_SHARED;
+        t->shared_tokens += n;
+        rle_index_put(t, parent, c->first, idx);
+        return idx;
+    }
     /* Appended last: children stay in creation order, which fixes the
      * order of exported leaves. */
     int32_t *link = &nodes[parent].child;
@@ -90,7 +105,7 @@ int32_t rle_tree_append(rle_trie *t, int32_t parent, const int32_t *tokens, cons
 
 int rle_trie_new_root(rle_trie *t, rle_handle *out)
 {
-    int rc = rle_arena_reserve(t, 0, 1);
+    int rc = rle_arena_reserve(t, 0, 1, 0);
     if (rc != RLE_OK)
         return rc;
     int32_t idx = rle_arena_node_alloc(t);
@@ -99,8 +114,12 @@ int rle_trie_new_root(rle_trie *t, rle_handle *out)
     return RLE_OK;
 }
 
-void rle_tree_walk_from(const rle_trie *t, int32_t view, int32_t node, const int32_t *tokens, int64_t n,
-                        rle_cursor *cur)
+/* The walk's loop; `shared` 0 compiles it without the shared-region test,
+ * for the common walk that starts in an own tree (which holds no shared
+ * node) and must stay as fast as it was. */
+static inline __attribute__((always_inline)) void walk_loop(const rle_trie *t, int32_t view, int32_t node,
+                                                            const int32_t *tokens, int64_t n, rle_cursor *cur,
+                                                            int shared)
 {
     const node_t *nodes = t->nodes;
     int32_t offset = nodes[node].len;
@@ -108,8 +127,9 @@ void rle_tree_walk_from(const rle_trie *t, int32_t view, int32_t node, const int
     while (i < n) {
         int32_t want = tokens[i];
         int32_t c;
-        if (view >= 0 && in_shared_region(&nodes[node])) {
-            c = rle_view_child(t, view, node, want);
+        if (shared && in_shared_region(&nodes[node])) {
+            /* In a view, what it sees; otherwise (extending a shared path) every child. */
+            c = view >= 0 ? rle_view_child(t, view, node, want) : rle_index_get(t, node, want);
         } else {
             c = nodes[node].child;
             while (c >= 0 && nodes[c].first != want)
@@ -134,6 +154,15 @@ void rle_tree_walk_from(const rle_trie *t, int32_t view, int32_t node, const int
     cur->offset = offset;
     cur->matched = i;
     cur->view = view;
+}
+
+void rle_tree_walk_from(const rle_trie *t, int32_t view, int32_t node, const int32_t *tokens, int64_t n,
+                        rle_cursor *cur)
+{
+    if (view < 0 && !in_shared_region(&t->nodes[node]))
+        walk_loop(t, -1, node, tokens, n, cur, 0);
+    else
+        walk_loop(t, view, node, tokens, n, cur, 1);
 }
 
 int rle_trie_walk_view(const rle_trie *t, rle_handle view_h, rle_handle at, const int32_t *tokens, int64_t n,
@@ -192,7 +221,7 @@ int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens
     if (extra < 0 || extra > INT32_MAX)
         return RLE_ERR_RANGE;
     int need_split = cur->offset < t->nodes[cur->node].len;
-    int rc = rle_arena_reserve(t, extra, need_split + (extra > 0));
+    int rc = rle_arena_reserve(t, extra, need_split + (extra > 0), 0);
     if (rc != RLE_OK)
         return rc;
     *out = link_at(t, cur, tokens, logprobs, versions, extra, need_split, kind, request_id, 0);
@@ -429,6 +458,10 @@ int64_t rle_trie_leaves(const rle_trie *t, rle_handle h, rle_handle *out, int64_
 void rle_tree_unlink(rle_trie *t, int32_t parent, int32_t c)
 {
     node_t *nodes = t->nodes;
+    if (nodes[parent].flags & NODE_SHARED) {
+        rle_index_del(t, parent, nodes[c].first);
+        return;
+    }
     int32_t *link = &nodes[parent].child;
     while (*link != c)
         link = &nodes[*link].sibling;

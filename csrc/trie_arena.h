@@ -7,7 +7,10 @@
  * parallel arrays; an edge is a run inside one block, named by (block,
  * offset). Nodes live in one array of fixed-size records linked by index.
  * Roots and attachments have no edge (len 0), so a view root keeps its
- * anchor and an attachment its view where an edge keeps its data.
+ * anchor and an attachment its view where an edge keeps its data. The
+ * children of a shared node are not linked through child/sibling: an index
+ * (parent, first token) -> child finds them, so a shared node with a child
+ * per session costs O(1) per lookup, insert and removal.
  */
 
 #ifndef RLE_TRIE_ARENA_H
@@ -65,6 +68,13 @@ typedef struct {
     uint8_t flags;      /* NODE_* */
 } node_t;
 
+/* An entry of the shared children's index (open addressing, linear probing); child -1: empty. */
+typedef struct {
+    int32_t parent;
+    int32_t first;
+    int32_t child;
+} slot_t;
+
 struct rle_trie {
     block_t *blocks;
     int32_t nblocks; /* table entries in use, the last one non-empty */
@@ -84,6 +94,10 @@ struct rle_trie {
     int64_t roots;
     int64_t views;
     int64_t shared_tokens;
+
+    slot_t *index;      /* the children of shared nodes */
+    int64_t index_cap;  /* slots, a power of two (0: none); at most half used */
+    int64_t index_used;
 
     int64_t max_bytes;
 };
@@ -123,9 +137,10 @@ static inline const int32_t *edge_tokens(const rle_trie *t, const node_t *n)
     return t->blocks[n->block].tok + n->off;
 }
 
-/* Make room for `tokens` more slots in the current block and `nodes` more
- * node records, or fail (RLE_ERR_*) having linked nothing. */
-int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes);
+/* Make room for `tokens` more slots in the current block, `nodes` more
+ * node records and `shared` more index entries, or fail (RLE_ERR_*) having
+ * linked nothing. */
+int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes, int64_t shared);
 /* A fresh node record, unlinked; rle_arena_reserve came first. */
 int32_t rle_arena_node_alloc(rle_trie *t);
 /* Free a node record and turn its edge's slots into garbage. */
@@ -144,6 +159,11 @@ int rle_arena_stage(rle_trie *t, const int32_t *tokens, const float *logprobs, c
                     int32_t kind, int64_t nodes);
 /* After a prune: reclaim garbage and memory as the policy says. */
 void rle_arena_settle(rle_trie *t);
+/* The shared children's index: the child of shared node `parent` starting
+ * with `first` (-1 if none); set it (room reserved for a new entry); remove it. */
+int32_t rle_index_get(const rle_trie *t, int32_t parent, int32_t first);
+void rle_index_put(rle_trie *t, int32_t parent, int32_t first, int32_t child);
+void rle_index_del(rle_trie *t, int32_t parent, int32_t first);
 
 /* -- tree operations (trie.c), for trie_share.c ----------------------------- */
 

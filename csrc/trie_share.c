@@ -84,7 +84,7 @@ void rle_view_attachment_emptied(rle_trie *t, int32_t a)
 
 int rle_trie_new_shared_root(rle_trie *t, rle_handle *out)
 {
-    int rc = rle_arena_reserve(t, 0, 1);
+    int rc = rle_arena_reserve(t, 0, 1, 0);
     if (rc != RLE_OK)
         return rc;
     int32_t idx = rle_arena_node_alloc(t);
@@ -101,7 +101,7 @@ int rle_trie_new_view(rle_trie *t, rle_handle shared_root, rle_handle *out)
         return RLE_ERR_HANDLE;
     if (!(t->nodes[root].flags & NODE_SHARED) || t->nodes[root].parent >= 0)
         return RLE_ERR_VIEW;
-    int rc = rle_arena_reserve(t, 0, 1);
+    int rc = rle_arena_reserve(t, 0, 1, 0);
     if (rc != RLE_OK)
         return rc;
     int32_t v = rle_arena_node_alloc(t);
@@ -178,17 +178,14 @@ static int extend(rle_trie *t, int32_t view, const int32_t *tokens, int64_t n, r
     rle_tree_walk_from(t, -1, anchor, tokens, n, &sc);
     int need_split = sc.offset < t->nodes[sc.node].len;
     int64_t rest = n - sc.matched;
-    int rc = rle_arena_reserve(t, rest, need_split + (rest > 0));
+    int rc = rle_arena_reserve(t, rest, need_split + (rest > 0), need_split + (rest > 0));
     if (rc != RLE_OK)
         return rc;
     int32_t end = sc.node;
     if (need_split)
         end = rle_tree_split(t, end, sc.offset);
-    if (rest > 0) {
+    if (rest > 0)
         end = rle_tree_append(t, end, tokens + sc.matched, NULL, NULL, (int32_t)rest, RLE_KIND_PROMPT, -1, 0);
-        t->nodes[end].flags = NODE_SHARED;
-        t->shared_tokens += rest;
-    }
     node_t *nodes = t->nodes;
     for (int32_t x = end; x != anchor; x = nodes[x].parent)
         nodes[x].refs++;
@@ -215,7 +212,8 @@ int rle_view_insert(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, c
     if (need_split)
         a = -1;
     int need_attach = extra > 0 && a < 0;
-    int rc = rle_arena_reserve(t, extra, need_split + need_attach + (extra > 0));
+    /* A split node is shared: its upper part takes an index entry. */
+    int rc = rle_arena_reserve(t, extra, need_split + need_attach + (extra > 0), need_split);
     if (rc != RLE_OK)
         return rc;
     if (need_split)

@@ -205,6 +205,35 @@ def test_memory_bound_counts_a_shared_prompt_once(Trie):
     assert (t.stats(), [t.leaves(v) for v in views]) == before
 
 
+def test_many_sessions_branch_at_one_shared_node(Trie):
+    """A child per session under the system prompt's end (the shared children's index in C):
+    every prompt is found again while some session holds it, and is gone with the last."""
+    n = 3000 if Trie is c_trie.TokenTrie else 300
+    rng = np.random.default_rng(4)
+    t = Trie()
+    shared = t.new_shared_root()
+    prompts = [i32(*SYSTEM, *rng.integers(0, 50, 3).tolist(), i) for i in range(n)]  # some share a few tokens more
+    views = {}
+    for i, p in enumerate(prompts):
+        views[i] = t.new_view(shared)
+        t.insert(views[i], p)
+    assert t.live_tokens == t.stats()["shared_tokens"] <= len(SYSTEM) + 4 * n
+    order = rng.permutation(n)
+    for i in order[: n // 2]:
+        t.prune(views.pop(int(i)))
+    held = t.live_tokens
+    for i, p in enumerate(prompts):  # taking a prompt up stores only what no session holds
+        v = t.new_view(shared)
+        end, _ = t.insert(v, p)
+        assert exported(t, end)[0] == p.tolist()
+        assert (t.live_tokens == held) == (i in views), i
+        t.prune(v)
+        assert t.live_tokens == held
+    for v in views.values():
+        t.prune(v)
+    assert t.live_tokens == 0 and t.node_count == 0
+
+
 def test_c_compaction_and_drop_keep_every_view_exact():
     t = c_trie.TokenTrie()
     empty = t.memory_bytes
