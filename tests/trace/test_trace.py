@@ -362,6 +362,15 @@ def test_memory_bound_counts_a_shared_prompt_once(trie_class):
     assert (store.live_tokens, len(store)) == held and store.memory_bytes <= 300_000
 
 
+def test_a_refused_first_session_of_a_share_key_leaves_nothing_behind():
+    """No room for its view: the shared root made for it goes too. (Only the reference's nominal
+    accounting, 48 bytes a record, puts the bound between the two records deterministically.)"""
+    store = TraceStore(max_bytes=48, trie_class=ref_trie.TokenTrie)
+    with pytest.raises(TraceMemoryExceeded):
+        store.open("a", share="k")
+    assert "a" not in store and store.stats()["share_keys"] == 0 and store.stats()["live_nodes"] == 0
+
+
 TURNS = st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.lists(st.integers(0, 2), min_size=1, max_size=6),
                            st.sampled_from(["prompt", "prompt", "sampled", "environment"])), max_size=14)
 
