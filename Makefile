@@ -21,12 +21,12 @@
 
 PYTHON ?= python3
 PY := $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
-TESTS := $(CURDIR)/tests/trace/test_trie.py $(CURDIR)/tests/trace/test_trace.py
+TESTS := $(CURDIR)/tests/trace/test_trie.py $(CURDIR)/tests/trace/test_trie_share.py $(CURDIR)/tests/trace/test_trace.py
 ASAN_DIR := $(CURDIR)/build/asan
 LIBASAN := $(shell gcc -print-file-name=libasan.so)
 # Paragraph mode: one LSan/valgrind report per paragraph; print those with a trie frame.
-TRIE_LEAKS := awk 'BEGIN { RS = "" } /(leak of|definitely lost)/ && /(trie\.c|trie_arena\.c|_trie\.c|rle_(trie|arena)_)/'
-TRIE_ERRORS := awk 'BEGIN { RS = "" } /(Invalid (read|write|free)|uninitialised|Mismatched|overlap)/ && /(trie\.c|trie_arena\.c|_trie\.c|rle_(trie|arena)_)/'
+TRIE_LEAKS := awk 'BEGIN { RS = "" } /(leak of|definitely lost)/ && /(trie\.c|trie_share\.c|trie_arena\.c|_trie\.c|rle_(trie|arena|tree|view)_)/'
+TRIE_ERRORS := awk 'BEGIN { RS = "" } /(Invalid (read|write|free)|uninitialised|Mismatched|overlap)/ && /(trie\.c|trie_share\.c|trie_arena\.c|_trie\.c|rle_(trie|arena|tree|view)_)/'
 
 .PHONY: build test-trie asan valgrind floor clean
 

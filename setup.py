@@ -25,7 +25,7 @@ if _mode not in _FLAGS:
 
 trie = Extension(
     "rlengine.trace._trie",
-    sources=["rlengine/trace/_trie.pyx", "csrc/trie.c", "csrc/trie_arena.c"],
+    sources=["rlengine/trace/_trie.pyx", "csrc/trie.c", "csrc/trie_share.c", "csrc/trie_arena.c"],
     depends=["csrc/trie.h", "csrc/trie_arena.h", "rlengine/trace/_trie.pxd"],
     include_dirs=["csrc"],
     extra_compile_args=_FLAGS[_mode],

@@ -42,6 +42,20 @@ the least any call from Python costs (empty input, all in cache, in the cold
 loop's form): floor plus that call is what an implementation would cost if
 its own work were free.
 
+Shared prompts (issue 19): ``test_shared_prompts_bytes_per_stored_token``
+stores 256 groups x 8 sessions, an 800-token system prompt shared by all
+and a 200-token prompt per group, then 50-300 sampled tokens per turn
+(uniform; one turn, and eight turns with the whole conversation re-sent), in
+views of one shared tree and in per-session roots, in the same run. The
+figure is the trie's bytes per token the sessions hold (every session's
+conversation counted in full), and the ratio of the two layouts; the
+timed part is building the shared layout, the per-session one is timed the
+same way beside it. Every session's export is checked equal in both.
+``test_first_prompt_with_many_sessions`` times a new session's first
+prompt (an 800-token system prompt and a 200-token prompt of its own)
+with 1,000 and with 20,000 sessions already branching below that system
+prompt, and its drop: the ratio says whether the cost grows with them.
+
 This file must not assert performance targets (the machine is a noisy
 shared VM); it asserts that both tries did the same work and records the
 figures. Run: ``OMP_NUM_THREADS=1 python -m pytest bench/test_trie.py -q``.
@@ -359,4 +373,123 @@ def test_memory_per_stored_token(benchmark, workload):
         "memory_bytes": stats["memory_bytes"],
         "bytes_per_stored_token": round(stats["memory_bytes"] / stats["live_tokens"], 2),
         "export_us_per_session": round(benchmark.stats.stats.median / SESSIONS * 1e6, 2),
+    })
+
+
+GROUPS, GROUP_SIZE, GROUP_PROMPT = 256, 8, 200
+
+
+class GroupWorkload:
+    """256 groups x 8 sessions: one system prompt, a prompt per group, sampled turns per session."""
+
+    def __init__(self, turns: int, seed: int = 1) -> None:
+        rng = np.random.default_rng(seed)
+        system = rng.integers(0, VOCAB, SYSTEM, dtype=np.int32)
+        self.prompts, self.calls = [], []  # per session: the prompt; per call: (session, tokens, lps, vers)
+        conversations = []
+        for _ in range(GROUPS):
+            prompt = np.concatenate([system, rng.integers(0, VOCAB, GROUP_PROMPT, dtype=np.int32)])
+            for _ in range(GROUP_SIZE):
+                new = rng.integers(NEW_MIN, NEW_MAX + 1, turns)
+                n = len(prompt) + int(new.sum())
+                tokens = np.concatenate([prompt, rng.integers(0, VOCAB, n - len(prompt), dtype=np.int32)])
+                logprobs = np.zeros(n, np.float32)
+                logprobs[len(prompt):] = -rng.random(n - len(prompt), dtype=np.float32)
+                versions = np.full(n, -1, np.int32)
+                versions[len(prompt):] = np.repeat(np.arange(turns, dtype=np.int32), new)
+                self.prompts.append(prompt.tobytes())
+                conversations.append((tokens, logprobs, versions, len(prompt) + np.cumsum(new)))
+        # Turn-major, the whole conversation each turn (as issue 5's workload).
+        self.calls = [(s, *(a[:ends[t]].tobytes() for a in conv[:3])) for t in range(turns)
+                      for s, (*conv, ends) in enumerate(conversations)]
+        self.held_tokens = sum(len(c[0]) for c in conversations)
+
+
+def group_build(w: GroupWorkload, shared: bool) -> tuple[TokenTrie, list[int]]:
+    trie = TokenTrie()
+    if shared:
+        root = trie.new_shared_root()
+        sessions = [trie.new_view(root) for _ in w.prompts]
+    else:
+        sessions = [trie.new_root() for _ in w.prompts]
+    insert = trie.insert
+    for s, prompt in zip(sessions, w.prompts):
+        insert(s, prompt, kind=KIND_PROMPT)
+    for s, tokens, logprobs, versions in w.calls:
+        insert(sessions[s], tokens, logprobs, versions, KIND_SAMPLED)
+    return trie, sessions
+
+
+@pytest.mark.parametrize("turns", [1, 8])
+def test_shared_prompts_bytes_per_stored_token(benchmark, turns):
+    w = GroupWorkload(turns)
+    own_s = median_loop_seconds(lambda: group_build(w, False), tuple)
+    benchmark.pedantic(lambda: group_build(w, True), rounds=5, iterations=1)
+    shared_s = benchmark.stats.stats.median
+    shared, views = group_build(w, True)
+    own, roots = group_build(w, False)
+    for view, root in zip(views, roots):  # the same traces, whatever the layout
+        [a], [b] = shared.leaves(view), own.leaves(root)
+        assert shared.export_path(a) == own.export_path(b) and shared.path_segments(a) == own.path_segments(b)
+    sst, ost = shared.stats(), own.stats()
+    assert ost["live_tokens"] == w.held_tokens and sst["views"] == GROUPS * GROUP_SIZE
+    calls = len(w.prompts) + len(w.calls)
+    benchmark.extra_info.update({
+        "sessions": len(w.prompts),
+        "turns": turns,
+        "held_tokens": w.held_tokens,
+        "stored_tokens_shared": sst["live_tokens"],
+        "shared_tokens": sst["shared_tokens"],
+        "nodes_shared": sst["live_nodes"],
+        "memory_bytes_shared": sst["memory_bytes"],
+        "memory_bytes_own": ost["memory_bytes"],
+        "bytes_per_held_token_shared": round(sst["memory_bytes"] / w.held_tokens, 2),
+        "bytes_per_held_token_own": round(ost["memory_bytes"] / w.held_tokens, 2),
+        "ratio": round(ost["memory_bytes"] / sst["memory_bytes"], 2),
+        "build_us_per_call_shared": round(shared_s / calls * 1e6, 2),
+        "build_us_per_call_own": round(own_s / calls * 1e6, 2),
+    })
+
+
+def _first_prompts(sessions: int, rng: np.random.Generator) -> tuple[TokenTrie, int, list[bytes]]:
+    system = rng.integers(0, VOCAB, SYSTEM, dtype=np.int32)
+    prompts = [np.concatenate([system, rng.integers(0, VOCAB, GROUP_PROMPT, dtype=np.int32)]).tobytes()
+               for _ in range(sessions + 2000)]
+    trie = TokenTrie()
+    root = trie.new_shared_root()
+    for prompt in prompts[:sessions]:
+        trie.insert(trie.new_view(root), prompt)
+    return trie, root, prompts[sessions:]
+
+
+def _open_store_drop(trie: TokenTrie, root: int, prompts: list[bytes]) -> tuple[float, float]:
+    """Microseconds per new view's first prompt, and per drop of those views."""
+    t0 = time.perf_counter()
+    views = []
+    for prompt in prompts:
+        view = trie.new_view(root)
+        trie.insert(view, prompt)
+        views.append(view)
+    t1 = time.perf_counter()
+    for view in views:
+        trie.prune(view)
+    t2 = time.perf_counter()
+    return (t1 - t0) / len(prompts) * 1e6, (t2 - t1) / len(prompts) * 1e6
+
+
+def test_first_prompt_with_many_sessions(benchmark):
+    rng = np.random.default_rng(2)
+    few, many = _first_prompts(1000, rng), _first_prompts(20_000, rng)
+    few_us = [_open_store_drop(*few) for _ in range(ROUNDS)]
+    benchmark.pedantic(lambda: _open_store_drop(*many), rounds=ROUNDS, iterations=1)
+    many_us = [_open_store_drop(*many) for _ in range(ROUNDS)]
+    store_few, store_many = (statistics.median(u[0] for u in us) for us in (few_us, many_us))
+    drop_few, drop_many = (statistics.median(u[1] for u in us) for us in (few_us, many_us))
+    benchmark.extra_info.update({
+        "first_prompt_us_1k_sessions": round(store_few, 2),
+        "first_prompt_us_20k_sessions": round(store_many, 2),
+        "first_prompt_ratio_20k_over_1k": round(store_many / store_few, 2),
+        "drop_us_1k_sessions": round(drop_few, 2),
+        "drop_us_20k_sessions": round(drop_many, 2),
+        "drop_ratio_20k_over_1k": round(drop_many / drop_few, 2),
     })

@@ -27,7 +27,7 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "csrc" / name for name in ("trie_floor.c", "trie.c", "trie_arena.c")]
+SOURCES = [ROOT / "csrc" / name for name in ("trie_floor.c", "trie.c", "trie_share.c", "trie_arena.c")]
 ORDER = ("sessions", "turns", "system", "task", "new_min", "new_max", "vocab", "query", "rounds")
 
 

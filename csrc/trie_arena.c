@@ -7,9 +7,9 @@
  * a block whose last edge is pruned is freed at once (sessions dropped in
  * roughly the order they came free whole blocks). What a prune leaves
  * scattered is garbage, which a compaction slides down in place once it
- * outweighs the live data. Everything held from malloc is counted, and with
- * a bound set, a reservation that would exceed it fails before anything
- * changes.
+ * outweighs the live data. The index of shared nodes' children is a hash
+ * table here too. Everything held from malloc is counted, and with a bound
+ * set, a reservation that would exceed it fails before anything changes.
  *
  * This file must not know the tree's shape beyond the node records' links:
  * walking, splitting and exporting live in trie.c.
@@ -20,10 +20,115 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int64_t bytes_for(int64_t arena_cap, int64_t node_cap, int64_t blocks_cap)
+static int64_t bytes_for(int64_t arena_cap, int64_t node_cap, int64_t blocks_cap, int64_t index_cap)
 {
     return (int64_t)sizeof(rle_trie) + arena_cap * TOKEN_BYTES + node_cap * (int64_t)sizeof(node_t) +
-           blocks_cap * (int64_t)sizeof(block_t);
+           blocks_cap * (int64_t)sizeof(block_t) + index_cap * (int64_t)sizeof(slot_t);
+}
+
+/* -- the shared children's index ------------------------------------------------------- */
+
+static inline uint64_t slot_home(int32_t parent, int32_t first, int64_t cap)
+{
+    /* splitmix64's finalizer: node indices and token ids are both small and dense. */
+    uint64_t k = ((uint64_t)(uint32_t)parent << 32) | (uint32_t)first;
+    k ^= k >> 30;
+    k *= 0xbf58476d1ce4e5b9ull;
+    k ^= k >> 27;
+    k *= 0x94d049bb133111ebull;
+    k ^= k >> 31;
+    return k & (uint64_t)(cap - 1);
+}
+
+static int64_t slot_find(const rle_trie *t, int32_t parent, int32_t first)
+{
+    if (t->index_cap == 0)
+        return -1;
+    uint64_t mask = (uint64_t)t->index_cap - 1;
+    for (uint64_t i = slot_home(parent, first, t->index_cap);; i = (i + 1) & mask) {
+        const slot_t *s = &t->index[i];
+        if (s->child < 0)
+            return -1;
+        if (s->parent == parent && s->first == first)
+            return (int64_t)i;
+    }
+}
+
+int32_t rle_index_get(const rle_trie *t, int32_t parent, int32_t first)
+{
+    int64_t i = slot_find(t, parent, first);
+    return i < 0 ? -1 : t->index[i].child;
+}
+
+static void slot_place(slot_t *index, int64_t cap, slot_t entry)
+{
+    uint64_t mask = (uint64_t)cap - 1;
+    uint64_t i = slot_home(entry.parent, entry.first, cap);
+    while (index[i].child >= 0)
+        i = (i + 1) & mask;
+    index[i] = entry;
+}
+
+void rle_index_put(rle_trie *t, int32_t parent, int32_t first, int32_t child)
+{
+    int64_t i = slot_find(t, parent, first);
+    if (i >= 0) {
+        t->index[i].child = child;
+        return;
+    }
+    slot_place(t->index, t->index_cap, (slot_t){parent, first, child});
+    t->index_used++;
+}
+
+void rle_index_del(rle_trie *t, int32_t parent, int32_t first)
+{
+    int64_t found = slot_find(t, parent, first);
+    if (found < 0)
+        return;
+    /* Backward-shift deletion: no tombstones, so probes stay short. An entry
+     * after the hole moves into it unless its home lies in (hole, entry]. */
+    uint64_t mask = (uint64_t)t->index_cap - 1, i = (uint64_t)found, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        slot_t *s = &t->index[j];
+        if (s->child < 0)
+            break;
+        uint64_t home = slot_home(s->parent, s->first, t->index_cap);
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            t->index[i] = *s;
+            i = j;
+        }
+    }
+    t->index[i].child = -1;
+    t->index_used--;
+}
+
+/* The index capacity needed to add `more` entries. */
+static int64_t index_cap_for(const rle_trie *t, int64_t more)
+{
+    int64_t cap = t->index_cap;
+    if (more == 0 || 2 * (t->index_used + more) <= cap)
+        return cap;
+    cap = max64(cap, 8);
+    while (2 * (t->index_used + more) > cap)
+        cap *= 2;
+    return cap;
+}
+
+static int index_resize(rle_trie *t, int64_t cap)
+{
+    slot_t *fresh = malloc((size_t)cap * sizeof(slot_t));
+    if (fresh == NULL)
+        return RLE_ERR_NOMEM;
+    memset(fresh, 0xff, (size_t)cap * sizeof(slot_t)); /* child -1: empty */
+    for (int64_t i = 0; i < t->index_cap; i++)
+        if (t->index[i].child >= 0)
+            slot_place(fresh, cap, t->index[i]);
+    free(t->index);
+    t->index = fresh;
+    t->index_cap = cap;
+    return RLE_OK;
 }
 
 /* -- blocks ------------------------------------------------------------------------------ */
@@ -243,7 +348,7 @@ static int compact(rle_trie *t)
 /* Make room for `tokens` more slots in the current block and `nodes` more
  * node records, or fail with nothing linked. Near the memory bound, reclaim
  * all garbage and grow by exactly the need before refusing. */
-int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes)
+int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes, int64_t shared)
 {
     int64_t node_need = (int64_t)t->node_used + nodes - t->free_count;
     int64_t node_cap = t->node_cap;
@@ -252,11 +357,12 @@ int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes)
     if (node_need > node_cap)
         return RLE_ERR_RANGE;
 
+    int64_t index_cap = index_cap_for(t, shared);
     int fits = tokens == 0 || (t->cur >= 0 && t->blocks[t->cur].cap - t->blocks[t->cur].used >= tokens);
     int64_t block = fits ? 0 : max64(tokens, min64(max64(t->arena_cap / 4, RLE_BLOCK_MIN), BLOCK_MAX));
     int64_t table = fits ? t->blocks_cap : blocks_cap_for_one_more(t);
 
-    if (t->max_bytes > 0 && bytes_for(t->arena_cap + block, node_cap, table) > t->max_bytes) {
+    if (t->max_bytes > 0 && bytes_for(t->arena_cap + block, node_cap, table, index_cap) > t->max_bytes) {
         int rc = compact(t);
         if (rc != RLE_OK)
             return rc;
@@ -264,7 +370,7 @@ int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes)
         block = fits ? 0 : tokens;
         table = fits ? t->blocks_cap : blocks_cap_for_one_more(t);
         node_cap = max64(t->node_cap, node_need);
-        if (bytes_for(t->arena_cap + block, node_cap, table) > t->max_bytes)
+        if (bytes_for(t->arena_cap + block, node_cap, table, index_cap) > t->max_bytes)
             return RLE_ERR_LIMIT;
     }
 
@@ -272,6 +378,8 @@ int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes)
     if (block > 0 && (rc = block_add(t, block)) != RLE_OK)
         return rc;
     if (node_cap > t->node_cap && (rc = nodes_resize(t, node_cap)) != RLE_OK)
+        return rc;
+    if (index_cap > t->index_cap && (rc = index_resize(t, index_cap)) != RLE_OK)
         return rc;
     return RLE_OK;
 }
@@ -297,7 +405,9 @@ int32_t rle_arena_node_alloc(rle_trie *t)
     n->parent = -1;
     n->child = -1;
     n->sibling = -1;
+    n->refs = 0;
     n->kind = RLE_KIND_PROMPT;
+    n->flags = 0;
     t->live_nodes++;
     return idx;
 }
@@ -401,6 +511,9 @@ void rle_arena_settle(rle_trie *t)
         t->node_used = 0;
         t->free_head = -1;
         t->free_count = 0;
+        free(t->index); /* no shared node left: no entry either */
+        t->index = NULL;
+        t->index_cap = t->index_used = 0;
     }
 }
 
@@ -423,6 +536,7 @@ void rle_trie_free(rle_trie *t)
         return;
     blocks_release_all(t);
     free(t->nodes);
+    free(t->index);
     free(t);
 }
 
@@ -437,7 +551,7 @@ int rle_trie_compact(rle_trie *t)
 
 void rle_trie_stats_get(const rle_trie *t, rle_trie_stats *out)
 {
-    out->memory_bytes = bytes_for(t->arena_cap, t->node_cap, t->blocks_cap);
+    out->memory_bytes = bytes_for(t->arena_cap, t->node_cap, t->blocks_cap, t->index_cap);
     out->max_bytes = t->max_bytes;
     out->live_tokens = t->live_tokens;
     out->garbage_tokens = t->garbage;
@@ -445,6 +559,8 @@ void rle_trie_stats_get(const rle_trie *t, rle_trie_stats *out)
     out->live_nodes = t->live_nodes;
     out->node_capacity = t->node_cap;
     out->roots = t->roots;
+    out->views = t->views;
+    out->shared_tokens = t->shared_tokens;
     out->blocks = 0;
     for (int32_t b = 0; b < t->nblocks; b++)
         out->blocks += t->blocks[b].cap > 0;

@@ -1,10 +1,16 @@
-/* trie_arena.h: the trie's internal layout, shared by trie.c (the tree)
- * and trie_arena.c (the memory under it). Not part of the API: nothing
- * outside csrc/ may include it, and rlengine/trace/_trie.pxd does not mirror it.
+/* trie_arena.h: the trie's internal layout, shared by trie.c (the tree),
+ * trie_share.c (views of shared trees) and trie_arena.c (the memory under
+ * them). Not part of the API: nothing outside csrc/ may include it, and
+ * rlengine/trace/_trie.pxd does not mirror it.
  *
  * Edge data (token ids, logprobs, versions) lives in blocks of three
  * parallel arrays; an edge is a run inside one block, named by (block,
  * offset). Nodes live in one array of fixed-size records linked by index.
+ * Roots and attachments have no edge (len 0), so a view root keeps its
+ * anchor and an attachment its view where an edge keeps its data. The
+ * children of a shared node are not linked through child/sibling: an index
+ * (parent, first token) -> child finds them, so a shared node with a child
+ * per session costs O(1) per lookup, insert and removal.
  */
 
 #ifndef RLE_TRIE_ARENA_H
@@ -36,18 +42,38 @@ typedef struct {
     int64_t live;
 } block_t;
 
+/* node_t.flags */
+#define NODE_SHARED 1 /* in a shared tree (its root included): `refs` views hold it */
+#define NODE_ATTACH 2 /* a view's attachment: where its private nodes hang off the shared node `parent` */
+#define NODE_VIEW 4   /* a view's root: also its attachment at the shared root, and the head of its list */
+
 typedef struct {
-    int32_t block;      /* where the edge's data starts: block ... */
-    int32_t off;        /* ... and slot */
+    union {
+        int32_t block; /* where the edge's data starts: block ... */
+        int32_t view;  /* an attachment (a view root too): the view's root */
+    };
+    union {
+        int32_t off;    /* ... and slot */
+        int32_t anchor; /* a view root: the end of the view's shared path */
+    };
     int64_t request_id; /* of the segment that stored the edge */
-    int32_t len;        /* edge length; 0 only for roots */
+    int32_t len;        /* edge length; 0 only for roots and attachments */
     int32_t first;      /* the edge's first token id */
-    int32_t parent;     /* -1 for roots */
+    int32_t parent;     /* -1 for roots; an attachment's: the shared node it hangs off */
     int32_t child;      /* first child, -1 if none */
-    int32_t sibling;    /* next sibling; on the free list, the next free record */
+    int32_t sibling;    /* next sibling; an attachment's: the view's next one; on the free list, the next free record */
     uint32_t gen;       /* bumped on free so stale handles are refused */
+    int32_t refs;       /* a shared node: views holding it */
     uint8_t kind;       /* RLE_KIND_* or KIND_FREE */
+    uint8_t flags;      /* NODE_* */
 } node_t;
+
+/* An entry of the shared children's index (open addressing, linear probing); child -1: empty. */
+typedef struct {
+    int32_t parent;
+    int32_t first;
+    int32_t child;
+} slot_t;
 
 struct rle_trie {
     block_t *blocks;
@@ -66,6 +92,12 @@ struct rle_trie {
     uint32_t gen_floor; /* generation of fresh records; raised when the array is released */
     int64_t live_nodes;
     int64_t roots;
+    int64_t views;
+    int64_t shared_tokens;
+
+    slot_t *index;      /* the children of shared nodes */
+    int64_t index_cap;  /* slots, a power of two (0: none); at most half used */
+    int64_t index_used;
 
     int64_t max_bytes;
 };
@@ -87,7 +119,9 @@ static inline int32_t node_of(const rle_trie *t, rle_handle h)
     if (idx >= (uint32_t)t->node_used)
         return -1;
     const node_t *n = &t->nodes[idx];
-    if (n->kind == KIND_FREE || n->gen != gen)
+    /* An attachment is no position of its own (it stands at its shared
+     * node's end): never a handle. */
+    if (n->kind == KIND_FREE || n->gen != gen || (n->flags & (NODE_ATTACH | NODE_VIEW)) == NODE_ATTACH)
         return -1;
     return (int32_t)idx;
 }
@@ -103,9 +137,10 @@ static inline const int32_t *edge_tokens(const rle_trie *t, const node_t *n)
     return t->blocks[n->block].tok + n->off;
 }
 
-/* Make room for `tokens` more slots in the current block and `nodes` more
- * node records, or fail (RLE_ERR_*) having linked nothing. */
-int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes);
+/* Make room for `tokens` more slots in the current block, `nodes` more
+ * node records and `shared` more index entries, or fail (RLE_ERR_*) having
+ * linked nothing. */
+int rle_arena_reserve(rle_trie *t, int64_t tokens, int64_t nodes, int64_t shared);
 /* A fresh node record, unlinked; rle_arena_reserve came first. */
 int32_t rle_arena_node_alloc(rle_trie *t);
 /* Free a node record and turn its edge's slots into garbage. */
@@ -124,5 +159,48 @@ int rle_arena_stage(rle_trie *t, const int32_t *tokens, const float *logprobs, c
                     int32_t kind, int64_t nodes);
 /* After a prune: reclaim garbage and memory as the policy says. */
 void rle_arena_settle(rle_trie *t);
+/* The shared children's index: the child of shared node `parent` starting
+ * with `first` (-1 if none); set it (room reserved for a new entry); remove it. */
+int32_t rle_index_get(const rle_trie *t, int32_t parent, int32_t first);
+void rle_index_put(rle_trie *t, int32_t parent, int32_t first, int32_t child);
+void rle_index_del(rle_trie *t, int32_t parent, int32_t first);
+
+/* -- tree operations (trie.c), for trie_share.c ----------------------------- */
+
+/* Split node c after k tokens; returns the new upper record (see trie.c). */
+int32_t rle_tree_split(rle_trie *t, int32_t c, int32_t k);
+/* Append a child of n tokens under `parent`, last among its children. */
+int32_t rle_tree_append(rle_trie *t, int32_t parent, const int32_t *tokens, const float *logprobs,
+                        const int32_t *versions, int32_t n, int32_t kind, int64_t request_id, int staged);
+/* Walk from the end of `node` in view `view` (-1: every child). */
+void rle_tree_walk_from(const rle_trie *t, int32_t view, int32_t node, const int32_t *tokens, int64_t n,
+                        rle_cursor *cur);
+/* Remove `c` from the child list of `parent`. */
+void rle_tree_unlink(rle_trie *t, int32_t parent, int32_t c);
+/* Free an unlinked `top` and everything below it; returns the tokens freed. */
+int64_t rle_tree_free_below(rle_trie *t, int32_t top);
+/* Write the leaves below `top` (which has children) into out[count..cap); returns the new count. */
+int64_t rle_tree_leaves_below(const rle_trie *t, int32_t top, rle_handle *out, int64_t cap, int64_t count);
+
+/* -- views (trie_share.c), for trie.c --------------------------------------- */
+
+/* The child of `node` (a shared node or a view root) that view `view` sees
+ * starting with token `want`, or -1. */
+int32_t rle_view_child(const rle_trie *t, int32_t view, int32_t node, int32_t want);
+/* Whether view `view` holds node `n`. */
+int rle_view_holds(const rle_trie *t, int32_t view, int32_t n);
+/* rle_trie_insert_at for a cursor at a shared position of a view. */
+int rle_view_insert(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
+                    const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out);
+/* rle_trie_leaves of a view root. */
+int64_t rle_view_leaves(const rle_trie *t, int32_t view, rle_handle *out, int64_t cap);
+/* Drop a view: its private nodes and the shared ones no other view holds; returns the tokens freed. */
+int64_t rle_view_drop(rle_trie *t, int32_t view);
+/* A private node's attachment record lost its last child: free it unless it is a view root. */
+void rle_view_attachment_emptied(rle_trie *t, int32_t a);
+
+/* In a view's walk, positions in the shared region (shared nodes, the view
+ * root) see the view's children, not every child. */
+static inline int in_shared_region(const node_t *n) { return (n->flags & (NODE_SHARED | NODE_ATTACH)) != 0; }
 
 #endif /* RLE_TRIE_ARENA_H */

@@ -93,6 +93,11 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     tombstone_ttl_s: float = 3600.0
     max_tombstones: int = 100_000
     trace_max_bytes: int = DEFAULT_MAX_BYTES
+    trace_share_prompts: bool = True
+    """Sessions share the trace store's stored prompts: a system prompt (or a group's prompt)
+    that many sessions send is stored once, with a reference count, not once per session.
+    Traces are unchanged (every sampled and environment token stays the session's own);
+    False gives each session a tree of its own."""
     max_open_sessions: int = 100_000
     """Open sessions at most (one more is refused: ``too_many_sessions``, HTTP 429)."""
     idle_session_ttl_s: float = 3600.0
@@ -134,6 +139,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError(f"port={self.port!r}: must be in [0, 65535]")
         if not isinstance(self.trace_max_bytes, int) or self.trace_max_bytes < 0:
             raise ConfigurationError(f"trace_max_bytes={self.trace_max_bytes!r}: must be an integer >= 0")
+        if not isinstance(self.trace_share_prompts, bool):
+            raise ConfigurationError(f"trace_share_prompts={self.trace_share_prompts!r}: must be true or false")
         if not (self.ipc or self.http):
             raise ConfigurationError("ipc=False and http=False: nothing to serve")
         check_auth(self.api_key, self.no_auth, self.key_file, self.host if self.http else None)
@@ -213,7 +220,8 @@ class Server:
                                        parser_for(template if isinstance(template, str) else None,
                                                   self.config.tool_parser),
                                        unknown_write_off_s=self.config.unknown_write_off_s,
-                                       retention=self.config.retention)
+                                       retention=self.config.retention,
+                                       share="sessions" if self.config.trace_share_prompts else None)
         cfg = self.config
         try:
             if cfg.ipc:

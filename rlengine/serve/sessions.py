@@ -18,7 +18,10 @@ message by message; a client whose history diverges (an edited or truncated
 conversation) resumes from the last matching position and branches there in
 the trie (at the exact token, since the trie shares equal tokens). Token
 sessions (``generate``) send their whole prompt and the trie keeps whatever
-prefix it already holds.
+prefix it already holds. Sessions opened with a share key (the server's
+default) store a prompt that other sessions sent already once, with a
+reference count (``rlengine.trace.store``): a system prompt costs its tokens
+once, not once per session, and no trace changes.
 
 A turn is recorded when it completes, in one loop callback: a rejected or
 aborted turn records nothing. (One exception: if the trace store's memory
@@ -270,8 +273,10 @@ class SessionManager:
 
     def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None,
                  tool_parser: ToolParser | None = None, unknown_write_off_s: float = 30.0,
-                 retention: Retention | None = None) -> None:
+                 retention: Retention | None = None, share: str | None = None) -> None:
         self.router = router
+        self.share = share
+        """The trace store's share key of every session opened here (None: each a tree of its own)."""
         self.retention = retention or Retention()
         self.unknown_write_off_s = unknown_write_off_s
         """How long an abandoned turn's unknown outcome may poison the gate before it is written off."""
@@ -310,7 +315,7 @@ class SessionManager:
         if len(self._live) >= self.retention.max_open:
             raise SessionLimit(f"{len(self._live)} sessions are open, the most this server keeps (max_open_sessions); "
                                "close some")
-        session = Session(session_id, secrets.token_urlsafe(24), self.store.open(session_id))
+        session = Session(session_id, secrets.token_urlsafe(24), self.store.open(session_id, share=self.share))
         self._live[session_id] = session
         return session
 

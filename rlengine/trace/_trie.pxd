@@ -19,6 +19,8 @@ cdef extern from "trie.h" nogil:
         RLE_ERR_HANDLE
         RLE_ERR_RANGE
         RLE_ERR_INPUT
+        RLE_ERR_VIEW
+        RLE_ERR_SHARED
         RLE_FIELD_TOKENS
         RLE_FIELD_LOGPROBS
         RLE_FIELD_VERSIONS
@@ -29,6 +31,7 @@ cdef extern from "trie.h" nogil:
         int32_t node
         int32_t offset
         int64_t matched
+        int32_t view
 
     ctypedef struct rle_segment:
         int64_t start
@@ -46,6 +49,8 @@ cdef extern from "trie.h" nogil:
         int64_t live_nodes
         int64_t node_capacity
         int64_t roots
+        int64_t views
+        int64_t shared_tokens
 
     ctypedef struct rle_trie:
         pass
@@ -54,8 +59,12 @@ cdef extern from "trie.h" nogil:
     void rle_trie_free(rle_trie *t)
 
     int rle_trie_new_root(rle_trie *t, rle_handle *out)
+    int rle_trie_new_shared_root(rle_trie *t, rle_handle *out)
+    int rle_trie_new_view(rle_trie *t, rle_handle shared_root, rle_handle *out)
 
     int rle_trie_walk(const rle_trie *t, rle_handle at, const int32_t *tokens, int64_t n, rle_cursor *cur)
+    int rle_trie_walk_view(const rle_trie *t, rle_handle view, rle_handle at, const int32_t *tokens, int64_t n,
+                           rle_cursor *cur)
 
     int rle_trie_insert_at(rle_trie *t, const rle_cursor *cur, const int32_t *tokens, const float *logprobs,
                            const int32_t *versions, int64_t n, int32_t kind, int64_t request_id, rle_handle *out)
@@ -72,6 +81,8 @@ cdef extern from "trie.h" nogil:
     int rle_trie_root_of(const rle_trie *t, rle_handle h, rle_handle *root)
     int rle_trie_parent(const rle_trie *t, rle_handle h, rle_handle *parent)
     int rle_trie_is_live(const rle_trie *t, rle_handle h)
+    int rle_trie_holds(const rle_trie *t, rle_handle root, rle_handle h)
+    int rle_trie_refs(const rle_trie *t, rle_handle h, int64_t *refs)
 
     int rle_trie_export_path(const rle_trie *t, rle_handle h, int32_t *tokens, float *logprobs, int32_t *versions,
                              uint8_t *loss_mask)

@@ -195,6 +195,17 @@ cdef int _refuse(int32_t field, int64_t i, const int32_t *tokens, const float *l
                          if kind == RLE_KIND_SAMPLED else "prompt and environment tokens carry version -1")
 
 
+cdef int _view_refused(object view, object at) except -1:
+    """Raise the InvalidRequest for RLE_ERR_VIEW from a walk of ``at`` in ``view``."""
+    if view is None:
+        raise InvalidRequest("view", None, f"at={at} is a shared node: pass the view to walk it in")
+    raise InvalidRequest("view", view, f"not a view of this trie that holds at={at}")
+
+
+cdef int _shared_refused(object handle, str what) except -1:
+    raise InvalidRequest("handle", handle, f"a shared node, held by views: {what}")
+
+
 cdef class TokenTrie:
     """A forest of radix tries over int32 token ids, held in C arrays.
 
@@ -233,8 +244,25 @@ cdef class TokenTrie:
             self._fail(rc, None, 0)
         return out
 
-    def insert(self, at, tokens, logprobs=None, versions=None, kind=KIND_PROMPT, request_id=-1):
+    def new_shared_root(self):
+        cdef rle_handle out
+        cdef int rc = rle_trie_new_shared_root(self._t, &out)
+        if rc != RLE_OK:
+            self._fail(rc, None, 0)
+        return out
+
+    def new_view(self, shared_root):
+        cdef rle_handle out
+        cdef int rc = rle_trie_new_view(self._t, _handle(shared_root), &out)
+        if rc == RLE_ERR_VIEW:
+            raise InvalidRequest("shared_root", shared_root, "not a shared root (new_shared_root)")
+        if rc != RLE_OK:
+            self._fail(rc, shared_root, 0)
+        return out
+
+    def insert(self, at, tokens, logprobs=None, versions=None, kind=KIND_PROMPT, request_id=-1, view=None):
         cdef rle_handle h = _handle(at)
+        cdef rle_handle vh = -1 if view is None else _handle(view)
         cdef int32_t k = _kind(kind)
         cdef int64_t rid = _request_id(request_id)
         cdef Py_buffer tv, lv, vv
@@ -265,7 +293,9 @@ cdef class TokenTrie:
                 vp = <const int32_t *>vv.buf
                 if m != n:
                     raise InvalidRequest("versions", f"length {m}", f"must match the {n} tokens")
-            rc = rle_trie_walk(self._t, h, tp, n, &cur)
+            rc = rle_trie_walk_view(self._t, vh, h, tp, n, &cur)
+            if rc == RLE_ERR_VIEW:
+                _view_refused(view, at)
             if rc != RLE_OK:
                 self._fail(rc, at, n)
             # Only the new tokens' values are checked: the stored prefix keeps
@@ -283,14 +313,17 @@ cdef class TokenTrie:
             if has_v:
                 PyBuffer_Release(&vv)
 
-    def longest_prefix(self, at, tokens):
+    def longest_prefix(self, at, tokens, view=None):
         cdef rle_handle h = _handle(at)
+        cdef rle_handle vh = -1 if view is None else _handle(view)
         cdef Py_buffer tv
         cdef rle_cursor cur
         cdef int rc
         cdef int64_t n = _acquire(tokens, &tv, _INT32, "tokens")
         try:
-            rc = rle_trie_walk(self._t, h, <const int32_t *>tv.buf, n, &cur)
+            rc = rle_trie_walk_view(self._t, vh, h, <const int32_t *>tv.buf, n, &cur)
+            if rc == RLE_ERR_VIEW:
+                _view_refused(view, at)
             if rc != RLE_OK:
                 self._fail(rc, at, 0)
             _check_tokens(<const int32_t *>tv.buf, cur.matched, n)
@@ -298,15 +331,18 @@ cdef class TokenTrie:
         finally:
             PyBuffer_Release(&tv)
 
-    def seek(self, at, tokens):
+    def seek(self, at, tokens, view=None):
         cdef rle_handle h = _handle(at)
+        cdef rle_handle vh = -1 if view is None else _handle(view)
         cdef Py_buffer tv
         cdef rle_cursor cur
         cdef rle_handle out
         cdef int rc
         cdef int64_t n = _acquire(tokens, &tv, _INT32, "tokens")
         try:
-            rc = rle_trie_walk(self._t, h, <const int32_t *>tv.buf, n, &cur)
+            rc = rle_trie_walk_view(self._t, vh, h, <const int32_t *>tv.buf, n, &cur)
+            if rc == RLE_ERR_VIEW:
+                _view_refused(view, at)
             if rc != RLE_OK:
                 self._fail(rc, at, 0)
             _check_tokens(<const int32_t *>tv.buf, cur.matched, n)
@@ -345,6 +381,19 @@ cdef class TokenTrie:
         if not isinstance(handle, int) or isinstance(handle, bool) or not 0 <= handle <= INT64_MAX:
             return False
         return bool(rle_trie_is_live(self._t, <rle_handle>handle))
+
+    def holds(self, root, handle):
+        cdef int rc = rle_trie_holds(self._t, _handle(root), _handle(handle))
+        if rc < 0:
+            self._fail(rc, handle if self.is_live(root) else root, 0)
+        return bool(rc)
+
+    def refs(self, handle):
+        cdef int64_t out
+        cdef int rc = rle_trie_refs(self._t, _handle(handle), &out)
+        if rc != RLE_OK:
+            self._fail(rc, handle, 0)
+        return out
 
     def path_tokens(self, handle):
         cdef rle_handle h = _handle(handle)
@@ -394,6 +443,8 @@ cdef class TokenTrie:
         cdef int64_t count = rle_trie_leaves(self._t, h, NULL, 0)
         cdef int64_t i
         cdef rle_handle *out
+        if count == RLE_ERR_SHARED:
+            _shared_refused(handle, "list a view's leaves from its view root")
         if count < 0:
             self._fail(<int>count, handle, 0)
         if count == 0:
@@ -409,6 +460,8 @@ cdef class TokenTrie:
 
     def prune(self, handle):
         cdef int64_t freed = rle_trie_prune(self._t, _handle(handle))
+        if freed == RLE_ERR_SHARED:
+            _shared_refused(handle, "it goes when the last view holding it is dropped (prune the view roots)")
         if freed < 0:
             self._fail(<int>freed, handle, 0)
         return freed
@@ -430,6 +483,8 @@ cdef class TokenTrie:
             "live_nodes": st.live_nodes,
             "node_capacity": st.node_capacity,
             "roots": st.roots,
+            "views": st.views,
+            "shared_tokens": st.shared_tokens,
         }
 
     @property

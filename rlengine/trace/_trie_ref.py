@@ -9,9 +9,11 @@ measures by how much.
 
 What must agree with the C trie: every return value (up to the numbering of
 handles), every accepted and refused input, the order of leaves and the
-node structure (splits happen at the same places). What may differ: handle
-numbers and memory accounting, which here is nominal (12 bytes per token,
-48 per node, the C record sizes) because Python objects have no useful size.
+node structure (splits happen at the same places; shared roots, views and
+their attachments are records here too, with the same reference counts).
+What may differ: handle numbers and memory accounting, which here is
+nominal (12 bytes per token, 48 per node, the C record sizes) because
+Python objects have no useful size.
 
 This module must not import the compiled extension, and must not take
 shortcuts the C trie does not take: a test that passes here must say
@@ -33,6 +35,8 @@ KIND_SAMPLED = 1
 KIND_ENVIRONMENT = 2
 _KINDS = (KIND_PROMPT, KIND_SAMPLED, KIND_ENVIRONMENT)
 _FREE = 255
+# Node flags, as csrc/trie_arena.h: in a shared tree; a view's attachment; a view's root.
+_SHARED, _ATTACH, _VIEW = 1, 2, 4
 _GEN_MASK = 0x7FFFFFFF
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -87,7 +91,9 @@ class TokenTrie:
 
     Nodes are indices into parallel lists; a node's children are a dict from
     first token to child, whose insertion order is the creation order the C
-    trie keeps in its sibling lists.
+    trie keeps in its sibling lists. A view keeps its attachments in a dict
+    from the shared node they hang off (the C trie: a list through
+    ``sibling``; the order is never observed).
     """
 
     def __init__(self, max_bytes: int = 0) -> None:
@@ -101,11 +107,18 @@ class TokenTrie:
         self._children: list[dict[int, int]] = []
         self._kind: list[int] = []
         self._req: list[int] = []
+        self._flags: list[int] = []
+        self._refs: list[int] = []
+        self._view: list[int] = []  # an attachment's view root
+        self._anchor: list[int] = []  # a view root's end of its shared path
+        self._attach: list[dict[int, int] | None] = []  # a view root's attachments by shared node
         self._gen: list[int] = []
         self._free: list[int] = []
         self._live_tokens = 0
         self._live_nodes = 0
         self._roots = 0
+        self._views = 0
+        self._shared_tokens = 0
 
     # -- nodes and handles ---------------------------------------------------
 
@@ -115,16 +128,25 @@ class TokenTrie:
         if not 0 <= handle <= _INT64_MAX:
             raise InvalidRequest("handle", handle, "not a handle of this trie")
         idx, gen = handle & 0xFFFFFFFF, handle >> 32
-        if idx >= len(self._kind) or self._kind[idx] == _FREE or self._gen[idx] != gen:
+        if (idx >= len(self._kind) or self._kind[idx] == _FREE or self._gen[idx] != gen
+                or self._flags[idx] & (_ATTACH | _VIEW) == _ATTACH):
             raise InvalidRequest("handle", handle, "not a live node of this trie (never made here, or pruned)")
         return idx
+
+    def _is_node(self, handle: int) -> bool:
+        try:
+            self._node(handle)
+        except InvalidRequest:
+            return False
+        return True
 
     def _handle(self, idx: int) -> int:
         return (self._gen[idx] << 32) | idx
 
     def _alloc(self) -> int:
-        fresh = (array("i"), array("f"), array("i"), -1, {}, KIND_PROMPT, -1)
-        columns = (self._tok, self._lp, self._ver, self._parent, self._children, self._kind, self._req)
+        fresh = (array("i"), array("f"), array("i"), -1, {}, KIND_PROMPT, -1, 0, 0, -1, -1, None)
+        columns = (self._tok, self._lp, self._ver, self._parent, self._children, self._kind, self._req,
+                   self._flags, self._refs, self._view, self._anchor, self._attach)
         if self._free:
             idx = self._free.pop()
             for column, value in zip(columns, fresh):
@@ -142,6 +164,7 @@ class TokenTrie:
         self._gen[idx] = (self._gen[idx] + 1) & _GEN_MASK
         self._tok[idx], self._lp[idx], self._ver[idx] = array("i"), array("f"), array("i")
         self._children[idx] = {}
+        self._attach[idx] = None
         self._free.append(idx)
         self._live_nodes -= 1
 
@@ -153,15 +176,159 @@ class TokenTrie:
                                                    self._live_nodes + nodes) > self._max_bytes:
             raise TraceMemoryExceeded(self._max_bytes, self.memory_bytes, tokens)
 
+    # -- views ---------------------------------------------------------------
+
+    def _shared_region(self, n: int) -> bool:
+        return bool(self._flags[n] & (_SHARED | _ATTACH))
+
+    def _base(self, n: int) -> int:
+        """The shared node a shared-region position stands at (a view root: its shared root)."""
+        return self._parent[n] if self._flags[n] & _ATTACH else n
+
+    def _path_child(self, anchor: int, x: int) -> int:
+        c = anchor
+        while c >= 0 and self._parent[c] != x:
+            c = self._parent[c]
+        return c
+
+    def _child(self, view: int, node: int, first: int) -> int | None:
+        """The child of ``node`` starting with ``first`` that ``view`` sees (-1: every child)."""
+        if view < 0 or not self._shared_region(node):
+            return self._children[node].get(first)
+        x = self._base(node)
+        c = self._path_child(self._anchor[view], x)
+        if c >= 0 and self._tok[c][0] == first:
+            return c
+        a = self._attach[view].get(x)
+        return None if a is None else self._children[a].get(first)
+
+    def _view_holds(self, view: int, n: int) -> bool:
+        if n == view:
+            return True
+        while not self._shared_region(n):
+            n = self._parent[n]
+            if n < 0:
+                return False
+        if self._flags[n] & _ATTACH:
+            return self._view[n] == view
+        x = self._anchor[view]
+        while x >= 0:
+            if x == n:
+                return True
+            x = self._parent[x]
+        return False
+
+    def _resolve(self, at: Any, view: Any) -> tuple[int, int]:
+        """(node to walk from, view or -1), refused as rle_trie_walk_view refuses."""
+        node = self._node(at)
+        if view is not None:
+            v = self._node(view) if self._is_node(view) else -1
+            if v < 0 or not self._flags[v] & _VIEW or not self._view_holds(v, node):
+                raise InvalidRequest("view", view, f"not a view of this trie that holds at={at}")
+            return (v if node == self._parent[v] else node), v
+        if self._flags[node] & _VIEW:
+            return node, node
+        if self._flags[node] & _SHARED:
+            raise InvalidRequest("view", None, f"at={at} is a shared node: pass the view to walk it in")
+        return node, -1
+
+    def _attachment_new(self, view: int, x: int) -> int:
+        a = self._alloc()
+        self._flags[a], self._parent[a], self._view[a] = _ATTACH, x, view
+        self._attach[view][x] = a
+        return a
+
+    def _extend(self, view: int, tokens: array) -> int:
+        """Store shareable ``tokens`` after the view's anchor in the shared tree (see csrc/trie_share.c)."""
+        anchor = self._anchor[view]
+        node, offset, matched = self._walk(anchor, tokens)
+        need_split = offset < len(self._tok[node])
+        rest = len(tokens) - matched
+        self._reserve(rest, need_split + (rest > 0))
+        end = self._split(node, offset) if need_split else node
+        if rest > 0:
+            end = self._append(end, tokens, None, None, matched, KIND_PROMPT, -1)
+            self._flags[end] = _SHARED
+            self._shared_tokens += rest
+        x = end
+        while x != anchor:
+            self._refs[x] += 1
+            x = self._parent[x]
+        self._anchor[view] = end
+        return self._handle(end)
+
+    def _view_insert(self, view: int, node: int, offset: int, matched: int, tokens: array,
+                     logprobs: array | None, versions: array | None, kind: int, request_id: int) -> int:
+        extra = len(tokens) - matched
+        self._check_extra(extra)
+        need_split = offset < len(self._tok[node])
+        base = self._base(node)
+        a = self._attach[view].get(base)
+        shareable = kind == KIND_PROMPT and request_id == -1 and (
+            logprobs is None or logprobs[matched:].tobytes() == bytes(4 * extra))  # +0.0 only, bit for bit
+        if (extra > 0 and not need_split and base == self._anchor[view] and (a is None or not self._children[a])
+                and shareable):
+            return self._extend(view, tokens[matched:])
+        if need_split:
+            a = None
+        need_attach = extra > 0 and a is None
+        self._reserve(extra, need_split + need_attach + (extra > 0))
+        if need_split:
+            node = base = self._split(node, offset)
+        if extra == 0:
+            return self._handle(node)
+        if a is None:
+            a = self._attachment_new(view, base)
+        return self._handle(self._append(a, tokens, logprobs, versions, matched, kind, request_id))
+
+    def _view_leaves(self, view: int) -> list[int]:
+        out: list[int] = []
+        anchor = x = self._anchor[view]
+        while x >= 0:
+            a = self._attach[view].get(x)
+            if a is not None and self._children[a]:
+                out.extend(self._leaves_below(a))
+            elif x == anchor and self._parent[x] >= 0:
+                out.append(self._handle(x))
+            x = self._parent[x]
+        return out
+
+    def _drop_view(self, view: int) -> int:
+        freed = 0
+        for a in list(self._attach[view].values()):
+            for c in list(self._children[a].values()):
+                freed += self._free_below(c)
+            self._children[a] = {}
+            if a != view:
+                self._release(a)
+        x = self._anchor[view]
+        while x >= 0:
+            p = self._parent[x]
+            self._refs[x] -= 1
+            if self._refs[x] == 0:
+                if p >= 0:
+                    del self._children[p][self._tok[x][0]]
+                else:
+                    self._roots -= 1
+                length = len(self._tok[x])
+                freed += length
+                self._live_tokens -= length
+                self._shared_tokens -= length
+                self._release(x)
+            x = p
+        self._release(view)
+        self._views -= 1
+        return freed
+
     # -- walking and storing -------------------------------------------------
 
-    def _walk(self, node: int, tokens: array) -> tuple[int, int, int]:
-        """(node, offset on its edge, tokens matched), like rle_trie_walk."""
+    def _walk(self, node: int, tokens: array, view: int = -1) -> tuple[int, int, int]:
+        """(node, offset on its edge, tokens matched), like rle_tree_walk_from."""
         n = len(tokens)
         offset = len(self._tok[node])
         i = 0
         while i < n:
-            c = self._children[node].get(tokens[i])
+            c = self._child(view, node, tokens[i])
             if c is None:
                 break
             edge = self._tok[c]
@@ -192,31 +359,74 @@ class TokenTrie:
         self._lp[p], self._lp[c] = self._lp[c][:k], self._lp[c][k:]
         self._ver[p], self._ver[c] = self._ver[c][:k], self._ver[c][k:]
         self._parent[p], self._kind[p], self._req[p] = parent, self._kind[c], self._req[c]
+        self._flags[p], self._refs[p] = self._flags[c] & _SHARED, self._refs[c]
         self._children[parent][first] = p  # same key: p takes c's place in the order
         self._children[p] = {self._tok[c][0]: c}
         self._parent[c] = p
         return p
 
-    def _insert_at(self, node: int, offset: int, matched: int, tokens: array, logprobs: array | None,
-                   versions: array | None, kind: int, request_id: int) -> int:
+    def _append(self, parent: int, tokens: array, logprobs: array | None, versions: array | None, matched: int,
+                kind: int, request_id: int) -> int:
         extra = len(tokens) - matched
+        c = self._alloc()
+        self._tok[c] = tokens[matched:]
+        self._lp[c] = logprobs[matched:] if logprobs is not None else array("f", bytes(4 * extra))
+        self._ver[c] = versions[matched:] if versions is not None else array("i", [-1]) * extra
+        self._parent[c], self._kind[c], self._req[c] = parent, kind, request_id
+        self._children[parent][self._tok[c][0]] = c
+        self._live_tokens += extra
+        return c
+
+    @staticmethod
+    def _check_extra(extra: int) -> None:
         if extra > _INT32_MAX:
             raise InvalidRequest("tokens", extra, "beyond the trie's limits (2**31 - 1 new tokens in one call, "
                                  "2**31 - 1 nodes)")
+
+    def _insert_at(self, node: int, offset: int, matched: int, tokens: array, logprobs: array | None,
+                   versions: array | None, kind: int, request_id: int, view: int = -1) -> int:
+        if view >= 0 and self._shared_region(node):
+            return self._view_insert(view, node, offset, matched, tokens, logprobs, versions, kind, request_id)
+        extra = len(tokens) - matched
+        self._check_extra(extra)
         need_split = offset < len(self._tok[node])
         self._reserve(extra, need_split + (extra > 0))
         if need_split:
             node = self._split(node, offset)
         if extra > 0:
-            c = self._alloc()
-            self._tok[c] = tokens[matched:]
-            self._lp[c] = logprobs[matched:] if logprobs is not None else array("f", bytes(4 * extra))
-            self._ver[c] = versions[matched:] if versions is not None else array("i", [-1]) * extra
-            self._parent[c], self._kind[c], self._req[c] = node, kind, request_id
-            self._children[node][self._tok[c][0]] = c
-            self._live_tokens += extra
-            node = c
+            node = self._append(node, tokens, logprobs, versions, matched, kind, request_id)
         return self._handle(node)
+
+    def _leaves_below(self, top: int) -> list[int]:
+        out = []
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            children = self._children[n]
+            if children:
+                stack.extend(reversed(children.values()))
+            else:
+                out.append(self._handle(n))
+        return out
+
+    def _free_below(self, top: int) -> int:
+        """Free an unlinked ``top`` and everything below it; the tokens freed."""
+        freed = 0
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            stack.extend(self._children[n].values())
+            freed += len(self._tok[n])
+            self._release(n)
+        self._live_tokens -= freed
+        return freed
+
+    @staticmethod
+    def _check_view(view: Any) -> None:
+        """The binding's type check of ``view`` (liveness is the walk's)."""
+        if view is not None and (not _is_int(view) or not 0 <= view <= _INT64_MAX):
+            raise InvalidRequest("handle", view, "must be an int handle returned by this trie"
+                                 if not _is_int(view) else "not a handle of this trie")
 
     # -- the public API (documented in rlengine.trace.trie) ------------------------
 
@@ -226,10 +436,30 @@ class TokenTrie:
         self._roots += 1
         return self._handle(idx)
 
+    def new_shared_root(self) -> int:
+        self._reserve(0, 1)
+        idx = self._alloc()
+        self._flags[idx] = _SHARED
+        self._roots += 1
+        return self._handle(idx)
+
+    def new_view(self, shared_root: int) -> int:
+        root = self._node(shared_root)
+        if not self._flags[root] & _SHARED or self._parent[root] >= 0:
+            raise InvalidRequest("shared_root", shared_root, "not a shared root (new_shared_root)")
+        self._reserve(0, 1)
+        v = self._alloc()
+        self._flags[v], self._parent[v], self._view[v], self._anchor[v] = _ATTACH | _VIEW, root, v, root
+        self._attach[v] = {root: v}
+        self._refs[root] += 1
+        self._views += 1
+        return self._handle(v)
+
     def insert(self, at: int, tokens: Any, logprobs: Any = None, versions: Any = None, kind: int = KIND_PROMPT,
-               request_id: int = -1) -> tuple[int, int]:
+               request_id: int = -1, view: int | None = None) -> tuple[int, int]:
         if not _is_int(at) or not 0 <= at <= _INT64_MAX:
             self._node(at)
+        self._check_view(view)
         if not _is_int(kind) or kind not in _KINDS:
             raise InvalidRequest("kind", kind, "must be KIND_PROMPT, KIND_SAMPLED or KIND_ENVIRONMENT")
         if not _is_int(request_id) or not -1 <= request_id <= _INT64_MAX:
@@ -249,7 +479,8 @@ class TokenTrie:
             vers = _as_array(versions, "i", "versions")
             if len(vers) != n:
                 raise InvalidRequest("versions", f"length {len(vers)}", f"must match the {n} tokens")
-        node, offset, matched = self._walk(self._node(at), toks)
+        start, v = self._resolve(at, view)
+        node, offset, matched = self._walk(start, toks, v)
         if lps is not None:
             for i in range(matched, n):
                 if not lps[i] <= 0.0:
@@ -260,20 +491,24 @@ class TokenTrie:
                     raise InvalidRequest(f"versions[{i}]", vers[i],
                                          "sampled tokens need a version >= 0" if kind == KIND_SAMPLED
                                          else "prompt and environment tokens carry version -1")
-        return self._insert_at(node, offset, matched, toks, lps, vers, kind, request_id), matched
+        return self._insert_at(node, offset, matched, toks, lps, vers, kind, request_id, v), matched
 
-    def longest_prefix(self, at: int, tokens: Any) -> int:
-        node = self._node(at)
+    def longest_prefix(self, at: int, tokens: Any, view: int | None = None) -> int:
+        self._node(at)
+        self._check_view(view)
         toks = _as_array(tokens, "i", "tokens")
+        start, v = self._resolve(at, view)
         _check_tokens(toks)
-        return self._walk(node, toks)[2]
+        return self._walk(start, toks, v)[2]
 
-    def seek(self, at: int, tokens: Any) -> tuple[int, int]:
-        node = self._node(at)
+    def seek(self, at: int, tokens: Any, view: int | None = None) -> tuple[int, int]:
+        self._node(at)
+        self._check_view(view)
         toks = _as_array(tokens, "i", "tokens")
+        start, v = self._resolve(at, view)
         _check_tokens(toks)
-        node, offset, matched = self._walk(node, toks)
-        return self._insert_at(node, offset, matched, toks[:matched], None, None, KIND_PROMPT, -1), matched
+        node, offset, matched = self._walk(start, toks, v)
+        return self._insert_at(node, offset, matched, toks[:matched], None, None, KIND_PROMPT, -1, v), matched
 
     def depth(self, handle: int) -> int:
         n = self._node(handle)
@@ -283,22 +518,36 @@ class TokenTrie:
             n = self._parent[n]
         return d
 
-    def root_of(self, handle: int) -> int:
-        n = self._node(handle)
-        while self._parent[n] >= 0:
+    def _root_index(self, n: int) -> int:
+        while True:
+            if self._flags[n] & _ATTACH:
+                return self._view[n]
+            if self._parent[n] < 0:
+                return n
             n = self._parent[n]
-        return self._handle(n)
+
+    def root_of(self, handle: int) -> int:
+        return self._handle(self._root_index(self._node(handle)))
 
     def parent(self, handle: int) -> int | None:
-        p = self._parent[self._node(handle)]
+        n = self._node(handle)
+        p = -1 if self._flags[n] & _VIEW else self._parent[n]
+        if p >= 0 and self._flags[p] & (_ATTACH | _VIEW) == _ATTACH:
+            p = self._parent[p]  # an attachment stands at the end of its shared node
         return None if p < 0 else self._handle(p)
 
     def is_live(self, handle: Any) -> bool:
-        try:
-            self._node(handle)
-        except InvalidRequest:
-            return False
-        return True
+        return self._is_node(handle)
+
+    def holds(self, root: int, handle: int) -> bool:
+        r, n = self._node(root), self._node(handle)
+        if self._flags[r] & _VIEW:
+            return self._view_holds(r, n)
+        return self._root_index(n) == r
+
+    def refs(self, handle: int) -> int:
+        n = self._node(handle)
+        return self._refs[n] if self._flags[n] & _SHARED else 1
 
     def _path(self, handle: int) -> list[int]:
         n = self._node(handle)
@@ -340,34 +589,36 @@ class TokenTrie:
 
     def leaves(self, handle: int) -> list[int]:
         top = self._node(handle)
+        if self._flags[top] & _VIEW:
+            return self._view_leaves(top)
+        if self._flags[top] & _SHARED:
+            raise InvalidRequest("handle", handle, "a shared node, held by views: list a view's leaves from its "
+                                 "view root")
         if not self._children[top]:
             return [] if self._parent[top] < 0 else [handle]
-        out = []
-        stack = [top]
-        while stack:
-            n = stack.pop()
-            children = self._children[n]
-            if children:
-                stack.extend(reversed(children.values()))
-            else:
-                out.append(self._handle(n))
-        return out
+        return self._leaves_below(top)
 
     def prune(self, handle: int) -> int:
         top = self._node(handle)
+        if self._flags[top] & _VIEW:
+            return self._drop_view(top)
+        if self._flags[top] & _SHARED:
+            if self._parent[top] >= 0 or self._refs[top] > 0:
+                raise InvalidRequest("handle", handle, "a shared node, held by views: it goes when the last view "
+                                     "holding it is dropped (prune the view roots)")
+            self._release(top)
+            self._roots -= 1
+            return 0
         parent = self._parent[top]
         if parent >= 0:
             del self._children[parent][self._tok[top][0]]
         else:
             self._roots -= 1
-        freed = 0
-        stack = [top]
-        while stack:
-            n = stack.pop()
-            stack.extend(self._children[n].values())
-            freed += len(self._tok[n])
-            self._release(n)
-        self._live_tokens -= freed
+        freed = self._free_below(top)
+        if (parent >= 0 and self._flags[parent] & (_ATTACH | _VIEW) == _ATTACH
+                and not self._children[parent]):
+            del self._attach[self._view[parent]][self._parent[parent]]
+            self._release(parent)
         return freed
 
     def compact(self) -> None:
@@ -384,6 +635,8 @@ class TokenTrie:
             "live_nodes": self._live_nodes,
             "node_capacity": len(self._kind),
             "roots": self._roots,
+            "views": self._views,
+            "shared_tokens": self._shared_tokens,
         }
 
     @property

@@ -19,10 +19,25 @@ suffix, and the training data is exact:
     trajectories = store.export("s1")                          # one per leaf
     store.drop("s1")                                           # memory back
 
-Sessions map to roots of one shared trie; a session's branches share their
-prefixes, sessions share nothing (each owns its logprobs, versions and
-lifetime, so dropping one is a subtree free). The trie's memory is bounded
-(``max_bytes``): a call that would exceed it raises ``TraceMemoryExceeded``
+Sessions map to trees of one trie; a session's branches share their
+prefixes. Sessions opened with the same ``share`` key also share stored
+prompts: the sessions of a group, or every session of a run, store an
+identical system prompt or group prompt once (with a reference count), not
+once per session:
+
+    store.open("g7-s0", share="run")                           # or share="group-7"
+    store.append_turn("g7-s0", system_and_task_ids)           # stored once for all of them
+
+What is shared is a session's prompt before anything else it stores (one
+or more ``kind="prompt"`` turns without request id or logprobs, from the
+root on); every sampled and environment token, and anything after them,
+stays the session's own, so two sessions never share a logprob, a version,
+a request id or a kind. Sharing changes no answer: a session's matches,
+exports and segments are exactly those of a session of its own, its
+handles name positions in its own conversation (a shared prompt's end is
+one handle in every session holding it), and ``drop`` frees what no other
+session holds. The trie's memory is bounded (``max_bytes``, shared tokens
+counted once): a call that would exceed it raises ``TraceMemoryExceeded``
 and stores nothing.
 
 Loop-thread only: like all engine state, a store is touched only on the
@@ -42,7 +57,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rlengine.errors import InvalidRequest
-from rlengine.trace.errors import UnknownSession
+from rlengine.trace.errors import TraceMemoryExceeded, UnknownSession
 from rlengine.trace.trajectory import KINDS, Segment, SegmentKind, Trajectory
 from rlengine.trace.trie import KIND_ENVIRONMENT, KIND_PROMPT, KIND_SAMPLED, TokenTrie
 
@@ -79,10 +94,13 @@ class PrefixMatch(NamedTuple):
 class _Session:
     """A session's root and the request ids its segments refer to."""
 
-    __slots__ = ("request_ids", "request_index", "root")
+    __slots__ = ("request_ids", "request_index", "root", "share", "view")
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, share: str | None) -> None:
         self.root = root
+        self.share = share
+        self.view = None if share is None else root
+        """The trie view its walks see through (its root), or None for a tree of its own."""
         # Request ids are interned per session so the trie stores an int64;
         # they go away with the session.
         self.request_ids: list[str] = []
@@ -107,17 +125,42 @@ class TraceStore:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, *, trie_class: type | None = None) -> None:
         self._trie: Any = (trie_class or TokenTrie)(max_bytes)
         self._sessions: dict[str, _Session] = {}
+        self._shared: dict[str, int] = {}
+        """share key -> the root of its shared tree (freed by the trie with its last session)."""
 
     # -- sessions -------------------------------------------------------------
 
-    def open(self, session: str) -> int:
-        """The root handle of ``session``, which is created if new."""
+    def open(self, session: str, *, share: str | None = None) -> int:
+        """The root handle of ``session``, which is created if new.
+
+        A new session opened with a ``share`` key shares stored prompts with
+        the other sessions of that key (see the module docstring); None
+        gives it a tree of its own. Opening an existing session returns its
+        root; naming another key than it was opened with is refused.
+        """
         if not isinstance(session, str):
             raise InvalidRequest("session", session, "must be a str")
+        if share is not None and not isinstance(share, str):
+            raise InvalidRequest("share", share, "must be a str or None")
         s = self._sessions.get(session)
         if s is None:
-            s = self._sessions[session] = _Session(self._trie.new_root())
+            root = self._trie.new_root() if share is None else self._new_view(share)
+            s = self._sessions[session] = _Session(root, share)
+        elif share is not None and share != s.share:
+            raise InvalidRequest("share", share, f"session {session!r} was opened with share={s.share!r}")
         return s.root
+
+    def _new_view(self, share: str) -> int:
+        shared = self._shared.get(share)
+        if shared is None:
+            shared = self._shared[share] = self._trie.new_shared_root()
+        try:
+            return self._trie.new_view(shared)
+        except TraceMemoryExceeded:
+            if self._trie.refs(shared) == 0:  # made for this session alone: nothing to keep
+                self._trie.prune(shared)
+                del self._shared[share]
+            raise
 
     def __contains__(self, session: object) -> bool:
         return session in self._sessions
@@ -138,7 +181,7 @@ class TraceStore:
         """``parent`` checked to be a live position of session ``s``; the root for None."""
         if parent is None:
             return s.root
-        if self._trie.root_of(parent) != s.root:
+        if not self._trie.holds(s.root, parent):
             raise InvalidRequest(field, parent, "a handle of another session")
         return parent
 
@@ -154,7 +197,10 @@ class TraceStore:
         only its new tokens with the previous turn's handle, or its whole
         conversation with ``parent=None``. ``kind="sampled"`` needs
         ``logprobs`` and ``versions`` (indexed like ``tokens``). A new session
-        is opened on its first append from the root.
+        is opened on its first append from the root (with no share key).
+        ``reused`` counts the tokens the session itself held already: a
+        prompt another session of its share key stored is taken up, not
+        reused, though it is stored only once.
         """
         code = _KIND_CODES.get(kind) if isinstance(kind, str) else None
         if code is None:
@@ -166,7 +212,7 @@ class TraceStore:
         s = self._session(session)
         at = self._position(s, parent)
         rid = -1 if request_id is None else s.intern(request_id)
-        handle, reused = self._trie.insert(at, tokens, logprobs, versions, code, rid)
+        handle, reused = self._trie.insert(at, tokens, logprobs, versions, code, rid, s.view)
         return TurnEnd(handle, self._trie.depth(handle), reused)
 
     def longest_prefix(self, session: str, tokens: Any, *, parent: int | None = None) -> PrefixMatch:
@@ -177,7 +223,7 @@ class TraceStore:
         edge; it never stores a token.
         """
         s = self._session(session)
-        handle, length = self._trie.seek(self._position(s, parent), tokens)
+        handle, length = self._trie.seek(self._position(s, parent), tokens, s.view)
         return PrefixMatch(length, handle)
 
     def path_tokens(self, session: str, handle: int) -> np.ndarray:
@@ -235,12 +281,18 @@ class TraceStore:
     def drop(self, session: str) -> int:
         """Forget ``session`` and free its memory; returns the tokens freed.
 
-        Its handles become invalid. Data blocks it empties go back to the
-        allocator at once; scattered leftovers once they outweigh live data.
+        Its handles become invalid, except those of shared prompt positions
+        other sessions still hold (valid for them, no longer for it). What
+        other sessions of its share key hold stays, so the tokens freed may
+        be fewer than the session held. Data blocks it empties go back to
+        the allocator at once; scattered leftovers once they outweigh live
+        data.
         """
         s = self._session(session)
         freed = self._trie.prune(s.root)
         del self._sessions[session]
+        if s.share is not None and not self._trie.is_live(self._shared[s.share]):
+            del self._shared[s.share]  # its last session: the trie freed the shared root
         return freed
 
     # -- accounting -----------------------------------------------------------
@@ -260,4 +312,5 @@ class TraceStore:
         return self._trie.live_tokens
 
     def stats(self) -> dict[str, int]:
-        return {"sessions": len(self._sessions), **self._trie.stats()}
+        """The trie's figures (``rlengine.trace.trie``), with ``sessions`` and ``share_keys`` in use."""
+        return {"sessions": len(self._sessions), "share_keys": len(self._shared), **self._trie.stats()}

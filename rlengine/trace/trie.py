@@ -12,7 +12,8 @@ The contract, for both implementations:
 * A *handle* (an int) names a node: the position at the end of its edge.
   ``new_root()`` makes an empty tree. A handle stays valid, naming the same
   position, until its node is pruned; then every call with it raises
-  ``InvalidRequest``. Handles of different trees never mix.
+  ``InvalidRequest``. Handles of different trees never mix (a shared
+  node's handle is a position of every view holding it, see below).
 * ``insert(at, tokens, logprobs=None, versions=None, kind=KIND_PROMPT,
   request_id=-1) -> (handle, matched)`` follows ``tokens`` from ``at`` as far
   as stored paths go (``matched`` tokens, whose stored data is kept) and
@@ -35,13 +36,31 @@ The contract, for both implementations:
   whole tree) and returns how many tokens it freed. Data blocks it empties go
   back to the allocator at once; scattered leftovers are compacted once they
   outweigh the live data.
+* Shared trees: ``new_shared_root()`` makes a tree sessions share and
+  ``new_view(shared_root)`` one session's view of it, whose handle is the
+  view's root. A view holds one shared path from the shared root (each shared
+  node counts its views: ``refs(h)``) and private nodes of its own. A prompt
+  segment with request id -1 and logprobs 0.0, stored at the end of the
+  view's shared path while the view has nothing of its own there, extends
+  that path: equal prompts of other views are followed, not stored again.
+  Everything else is the view's own, so no two views share a logprob,
+  version, request id or kind. A view sees only what it holds, so every
+  answer (matched counts, exports, segments, leaves and their order) is
+  that of a tree of its own fed the same calls; ``matched`` counts what the
+  view held already. ``insert``, ``longest_prefix`` and ``seek`` take
+  ``view=`` (needed where ``at`` is a shared node: a prompt's end is one
+  handle in every view holding it); ``holds(root, h)`` says whether ``h`` is
+  a position of the tree of ``root`` (a view root: of that view).
+  ``prune(view root)`` drops the view, freeing its own nodes and the shared
+  ones no other view holds (a shared root goes with its last view); pruning
+  a shared node is refused, and so is ``leaves`` of one.
 * Inputs are buffers: numpy int32 / float32 arrays, ``array('i')`` /
   ``array('f')``, or raw native-endian ``bytes`` (a list works, slowly).
   Wrong dtype, wrong shape, strided buffers, negative ids, mismatched
   lengths, NaN or positive logprobs and bad versions raise ``InvalidRequest``
   (a ``ValueError``) and change nothing. With ``max_bytes`` > 0, a call that
   would hold more raises ``TraceMemoryExceeded`` (a ``MemoryError``) and
-  changes nothing.
+  changes nothing; shared nodes are counted once.
 * Not thread-safe: one thread (the engine's loop thread) owns a trie.
 
 ``IMPLEMENTATION`` says which implementation is loaded: ``"c"`` (the

@@ -422,6 +422,41 @@ def test_session_ids_that_are_only_dots_or_out_of_the_alphabet_are_refused(sim, 
     assert sim.on_loop(sim.sessions.open, good).session_id == good
 
 
+# -- sharing: one stored copy of a common prompt ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "own-trees"])
+def test_sessions_sending_one_system_prompt_store_it_once(share):
+    """With ``trace_share_prompts`` (the default) a prompt several sessions send is stored once;
+    every session's trace is still exactly its prompt and its own sampled tokens."""
+    s = Served([sim_config(gen_len=6)], ServeConfig(http=False, trace_share_prompts=share))
+    try:
+        msgs = [{"role": "system", "content": "You are a careful agent. " * 40}, {"role": "user", "content": "go"}]
+        renderer = s.on_loop(lambda: s.sessions.renderer)
+        prompt = prompt_of(renderer, msgs)
+        sessions = [session(s) for _ in range(4)]
+        replies = [chat(s, sid, token, msgs, max_tokens=6).choices[0] for sid, token in sessions]
+        sampled = sum(len(c.tokens) for c in replies)
+        stored = s.on_loop(lambda: s.sessions.store.live_tokens)
+        assert stored == (1 if share else 4) * len(prompt) + sampled
+        for (sid, _), choice in zip(sessions, replies):
+            [t] = export(s, sid)
+            n = len(choice.tokens)
+            assert t.tokens.tolist() == prompt + choice.tokens and t.loss_mask.tolist() == [0] * len(prompt) + [1] * n
+            assert t.logprobs[len(prompt):].tobytes() == choice.logprobs_raw and not t.logprobs[:len(prompt)].any()
+            assert t.versions[len(prompt):].tobytes() == choice.versions_raw
+            assert [(g.start, g.end, g.kind) for g in t.segments] == [(0, len(prompt), "prompt"),
+                                                                     (len(prompt), len(prompt) + n, "sampled")]
+        # Collecting a session frees what no other session holds: the prompt goes with the last one.
+        for k, (sid, _) in enumerate(sessions):
+            s.on_loop(s.sessions.collect, sid)
+            left = s.on_loop(lambda: s.sessions.store.live_tokens)
+            assert left == sum(len(c.tokens) for c in replies[k + 1:]) + (
+                len(prompt) * (k < 3) if share else len(prompt) * (3 - k))
+    finally:
+        s.close()
+
+
 # -- retention: bounded memory without an operator --------------------------------------------------------------
 
 

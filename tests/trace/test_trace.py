@@ -260,3 +260,145 @@ def test_export_is_every_conversation_not_extended_by_another(trie_class, conver
     assert store.live_tokens == len({c[:i] for c in distinct for i in range(1, len(c) + 1)})
     store.drop("s")
     assert store.live_tokens == 0
+
+
+# -- sharing: sessions opened with a share key ---------------------------------------------------
+
+
+def _same_export(a: Trajectory, b: Trajectory) -> bool:
+    """Equal in everything but the leaf handle (which trie node ends it)."""
+    return (a.session, a.shared_prefix, a.tokens_raw, a.logprobs_raw, a.versions_raw, a.loss_mask_raw,
+            a.segments) == (b.session, b.shared_prefix, b.tokens_raw, b.logprobs_raw, b.versions_raw,
+                            b.loss_mask_raw, b.segments)
+
+
+def test_sessions_with_a_share_key_store_their_common_prompts_once(trie_class):
+    rng = np.random.default_rng(5)
+    shared, own = TraceStore(trie_class=trie_class), TraceStore(trie_class=trie_class)
+    empty = shared.memory_bytes
+    system = rng.integers(0, 150_000, 800, dtype=np.int32)
+    private = 0
+    for g in range(3):
+        task = rng.integers(0, 150_000, 200, dtype=np.int32)
+        # Every session of a group samples the same tokens, each with its own logprobs and versions.
+        sample = rng.integers(0, 150_000, 30, dtype=np.int32)
+        for k in range(4):
+            sid = f"g{g}-{k}"
+            assert shared.open(sid, share="run") == shared.open(sid)
+            lps, vers = -rng.random(30, dtype=np.float32), np.full(30, k, np.int32)
+            tool = rng.integers(0, 150_000, 20, dtype=np.int32)
+            for store in (shared, own):
+                t1 = store.append_turn(sid, np.concatenate([system, task]))
+                t2 = store.append_turn(sid, sample, lps, vers, kind="sampled", request_id=f"r{k}", parent=t1.handle)
+                t3 = store.append_turn(sid, tool, kind="environment", parent=t2.handle)
+                store.append_turn(sid, sample[:5], lps[:5], vers[:5], kind="sampled", request_id="again",
+                                  parent=t3.handle)
+                assert t1 == TurnEnd(t1.handle, 1000, 0)
+            private += 55
+    assert shared.live_tokens == 800 + 3 * 200 + private and own.live_tokens == 12 * 1000 + private
+    assert shared.stats()["share_keys"] == 1 and shared.stats()["shared_tokens"] == 1400
+    for sid in own.sessions():
+        [a], [b] = shared.export(sid), own.export(sid)
+        assert _same_export(a, b)
+    # Dropping frees what no other session holds: a group's prompt goes with its last session.
+    assert [shared.drop(f"g0-{k}") for k in range(4)] == [55, 55, 55, 55 + 200]
+    for sid in shared.sessions():
+        [a], [b] = shared.export(sid), own.export(sid)
+        assert _same_export(a, b)
+    assert sum(shared.drop(sid) for sid in list(shared.sessions())) == 800 + 2 * 200 + 8 * 55
+    assert shared.live_tokens == 0 and shared.memory_bytes == empty and shared.stats()["share_keys"] == 0
+
+
+def test_shared_sessions_keep_their_own_handles_and_answers(store):
+    prompt = i32(*range(1, 21))
+    store.open("a", share="k")
+    store.open("b", share="k")
+    ta = store.append_turn("a", prompt)
+    # b takes the stored prompt up: nothing stored again, yet nothing of it was b's before.
+    live = store.live_tokens
+    assert store.longest_prefix("b", prompt).length == 0
+    tb = store.append_turn("b", prompt)
+    assert tb == TurnEnd(ta.handle, 20, 0) and store.live_tokens == live
+    assert store.append_turn("b", prompt).reused == 20
+    sa = store.append_turn("a", i32(7), f32(-1), i32(0), kind="sampled", parent=ta.handle)
+    np.testing.assert_array_equal(store.path_tokens("b", ta.handle), prompt)  # a shared position: b's too
+    with pytest.raises(InvalidRequest, match="another session"):
+        store.append_turn("b", i32(8), parent=sa.handle)
+    with pytest.raises(InvalidRequest, match="another session"):
+        store.path_tokens("b", sa.handle)
+    # A session of its own never shares, and a shared one keeps its key.
+    p = store.append_turn("p", prompt)
+    assert p.handle != ta.handle and store.live_tokens == live + 1 + 20
+    with pytest.raises(InvalidRequest, match="another session"):
+        store.depth("a", p.handle)
+    with pytest.raises(InvalidRequest, match="share"):
+        store.open("a", share="other")
+    with pytest.raises(InvalidRequest, match="share"):
+        store.open("p", share="k")
+    with pytest.raises(InvalidRequest, match="share"):
+        store.open("c", share=5)
+    assert "c" not in store
+    # After a leaves, its shared prompt is still b's, and what was a's alone is gone.
+    assert store.drop("a") == 1
+    assert store.export("b")[0].tokens.tolist() == prompt.tolist() and store.depth("b", ta.handle) == 20
+    with pytest.raises(UnknownSession):
+        store.path_tokens("a", ta.handle)
+
+
+def test_memory_bound_counts_a_shared_prompt_once(trie_class):
+    rng = np.random.default_rng(6)
+    store = TraceStore(max_bytes=300_000, trie_class=trie_class)
+    prompt = rng.integers(0, 1000, 2000, dtype=np.int32)
+    for i in range(100):  # a hundred private copies would hold 2.4 MB
+        store.open(f"s{i}", share="k")
+        store.append_turn(f"s{i}", prompt)
+    assert store.live_tokens == 2000 and store.memory_bytes <= 300_000
+    with pytest.raises(TraceMemoryExceeded):
+        for i in range(100):
+            store.append_turn(f"own{i}", rng.integers(0, 1000, 2000, dtype=np.int32))
+    held = (store.live_tokens, len(store))
+    with pytest.raises(TraceMemoryExceeded):
+        store.append_turn("s0", rng.integers(0, 1000, 30_000, dtype=np.int32), kind="environment")
+    assert (store.live_tokens, len(store)) == held and store.memory_bytes <= 300_000
+
+
+def test_a_refused_first_session_of_a_share_key_leaves_nothing_behind():
+    """No room for its view: the shared root made for it goes too. (Only the reference's nominal
+    accounting, 48 bytes a record, puts the bound between the two records deterministically.)"""
+    store = TraceStore(max_bytes=48, trie_class=ref_trie.TokenTrie)
+    with pytest.raises(TraceMemoryExceeded):
+        store.open("a", share="k")
+    assert "a" not in store and store.stats()["share_keys"] == 0 and store.stats()["live_nodes"] == 0
+
+
+TURNS = st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.lists(st.integers(0, 2), min_size=1, max_size=6),
+                           st.sampled_from(["prompt", "prompt", "sampled", "environment"])), max_size=14)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=TURNS)
+def test_shared_sessions_export_what_sessions_of_their_own_export(trie_class, turns):
+    """The same turns (whole conversations from the root, or continuations of the last turn)
+    in sessions sharing a key and in sessions of their own: the same ends, the same exports."""
+    shared, own = TraceStore(trie_class=trie_class), TraceStore(trie_class=trie_class)
+    last: dict[tuple[int, str], int] = {}
+    for k, from_last, tokens, kind in turns:
+        sid = f"s{k}"
+        shared.open(sid, share="k")
+        n = len(tokens)
+        args = (f32(*[-0.5 * (k + 1)] * n), i32(*[k] * n)) if kind == "sampled" else (None, None)
+        ends = []
+        for store in (shared, own):
+            parent = last.get((id(store), sid)) if from_last else None
+            end = store.append_turn(sid, i32(*tokens), *args, kind=kind,
+                                    request_id="r" if kind == "sampled" else None, parent=parent)
+            last[(id(store), sid)] = end.handle
+            ends.append(end[1:])
+        assert ends[0] == ends[1]
+    for sid in own.sessions():
+        got, want = shared.export(sid), own.export(sid)
+        assert len(got) == len(want) and all(map(_same_export, got, want))
+    assert shared.live_tokens <= own.live_tokens
+    for sid in list(own.sessions()):
+        shared.drop(sid)
+    assert shared.live_tokens == 0
