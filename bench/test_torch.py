@@ -18,12 +18,18 @@ alternating, medians taken (the machine is a noisy 2-vCPU VM):
   the tiny model's shape with 6 layers, for a GRPO group of 8 x (1,024
   shared prompt + 128 sampled tokens), target >= 3x, and for an 8-turn agent
   trace (one datum per turn, each extending the conversation), target >= 2x.
+* issue 19, on the tiny model's build with 6 layers: time to first token of
+  turn 8 of an 8-turn session with and without prefix reuse (target >= 5x);
+  prefill time of a group of 8 on one 1,024-token prompt with and without
+  (target >= 4x); the Engine against HF ``generate`` at batch 1, 16 and 64
+  (tiny and 6 layers; target >= 1 at each).
 
     OMP_NUM_THREADS=1 python -m pytest bench/test_torch.py --benchmark-only -s
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import statistics
@@ -381,3 +387,184 @@ def test_tree_training_agent_trace_vs_flat(record, tree_trainers):
     data = _agent_trace(np.random.default_rng(1))
     r = record(lambda: _flat_vs_tree(tree_trainers, data, 2.0))
     assert r["ratio_flat_over_tree"] >= r["target_ratio"], r
+
+
+# -- issue 19: prefix KV reuse, and the backend against static batching -------------------------
+
+MEDIUM = {"num_layers": 6, "max_position_embeddings": 4096}
+"""The tiny model's build parameters with 6 layers and room for an 8-turn session (built locally)."""
+TURNS, TURN_NEW, FIRST_PROMPT, USER_TOKENS = 8, 256, 192, 64
+GROUP, GROUP_PROMPT = 8, 1024
+TTFT_TARGET, GROUP_TARGET = 5.0, 4.0
+
+
+@pytest.fixture(scope="module")
+def medium(cache):
+    return prepare(rle.EngineConfig(model="tiny", model_args=MEDIUM, cache_dir=cache))
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, seed: int = 0):
+    from rlengine.backends.base import BackendRequest
+
+    params = rle.SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+    return BackendRequest(rid, np.asarray(prompt, dtype=np.int32).tobytes(), params, seed, max_tokens)
+
+
+def _until_done(backend: TorchBackend) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while backend.has_unfinished_requests():
+        for out in backend.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens
+
+
+def _prefill_s(backend: TorchBackend, prompts: list[list[int]]) -> float:
+    """Seconds from adding ``prompts`` (one token each) to their last first token."""
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        backend.add_request(_request(f"p{i}", p, 1, seed=i))
+    _until_done(backend)
+    return time.perf_counter() - t0
+
+
+def test_multi_turn_time_to_first_token_with_and_without_prefix_reuse(benchmark, medium):
+    """Turn 8 of an 8-turn session (192-token first prompt, 256 sampled tokens and a 64-token user
+    message per turn): time to its first token on a backend that ran turns 1-7 (its prefix cache
+    holds them) and on one without a prefix cache; 5 alternating rounds, each with a new
+    turn-8 message. Default mode (target >= 5x); batch-invariant mode too, whose cache holds
+    only prefilled KV (turn 7's answer is prefilled again)."""
+    rng = np.random.default_rng(0)
+    warm = TorchBackend(medium)
+    conv = rng.integers(3, 1000, FIRST_PROMPT).tolist()
+    prompts = []
+    for turn in range(TURNS - 1):
+        prompts.append(conv)
+        answer = _until_done(_add(warm, _request(f"turn{turn}", conv, TURN_NEW, seed=turn)))[f"turn{turn}"]
+        conv = conv + answer + rng.integers(3, 1000, USER_TOKENS).tolist()
+    base = conv[:-USER_TOKENS]
+    invariant = TorchBackend(medium, batch_invariant=True)
+    for p in prompts:  # what its cache holds after turns 1-7: their prompts, prefilled
+        _prefill_s(invariant, [p])
+    backends = {"cold": TorchBackend(medium, prefix_cache_bytes=0), "warm": warm,
+                "invariant_cold": TorchBackend(medium, batch_invariant=True, prefix_cache_bytes=0),
+                "invariant_warm": invariant}
+    # Each measurement starts from the cache as turns 1-7 left it (a measured turn 8 would
+    # otherwise leave its prompt, and with it turn 7's answer, for the next round).
+    after_turn7 = {name: copy.deepcopy(b.prefix_cache) for name, b in backends.items()}
+    times: dict[str, list[float]] = {name: [] for name in backends}
+
+    def measure(name: str, prompt: list[int]) -> float:
+        backends[name].prefix_cache = copy.deepcopy(after_turn7[name])
+        return _prefill_s(backends[name], [prompt])
+
+    def run() -> None:
+        for name in backends:  # warm-up
+            measure(name, base + rng.integers(3, 1000, USER_TOKENS).tolist())
+        for k in range(ROUNDS):
+            prompt = base + rng.integers(3, 1000, USER_TOKENS).tolist()
+            for name in (list(backends) if k % 2 == 0 else list(reversed(backends))):
+                times[name].append(measure(name, prompt))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    m = {name: statistics.median(t) for name, t in times.items()}
+    r = _record(benchmark, {"turn8_prompt_tokens": len(base) + USER_TOKENS, "layers": MEDIUM["num_layers"],
+                            "cold_ttft_s": m["cold"], "reuse_ttft_s": m["warm"],
+                            "ttft_ratio_cold_over_reuse": m["cold"] / m["warm"],
+                            "invariant_cold_ttft_s": m["invariant_cold"], "invariant_reuse_ttft_s": m["invariant_warm"],
+                            "invariant_ttft_ratio": m["invariant_cold"] / m["invariant_warm"],
+                            "target_ratio": TTFT_TARGET})
+    assert r["ttft_ratio_cold_over_reuse"] >= TTFT_TARGET, r
+
+
+def _add(backend: TorchBackend, request) -> TorchBackend:
+    backend.add_request(request)
+    return backend
+
+
+def test_group_sharing_a_prompt_prefill_time_with_and_without_prefix_reuse(benchmark, medium):
+    """8 requests with one 1,024-token prompt, added together (the engine's fan-out of
+    num_samples=8), one token each: prefill time without a prefix cache and with one emptied
+    before each round (so the sharing happens within the step); 5 alternating rounds, a new
+    prompt each. Default mode (target >= 4x) and batch-invariant mode."""
+    rng = np.random.default_rng(1)
+    backends = {"cold": TorchBackend(medium, prefix_cache_bytes=0), "warm": TorchBackend(medium),
+                "invariant_cold": TorchBackend(medium, batch_invariant=True, prefix_cache_bytes=0),
+                "invariant_warm": TorchBackend(medium, batch_invariant=True)}
+    times: dict[str, list[float]] = {name: [] for name in backends}
+
+    def measure(name: str, prompt: list[int]) -> float:
+        b = backends[name]
+        if b.prefix_cache is not None:
+            b.prefix_cache.clear()
+        return _prefill_s(b, [prompt] * GROUP)
+
+    def run() -> None:
+        for name in backends:
+            measure(name, rng.integers(3, 1000, GROUP_PROMPT).tolist())
+        for k in range(ROUNDS):
+            prompt = rng.integers(3, 1000, GROUP_PROMPT).tolist()
+            for name in (list(backends) if k % 2 == 0 else list(reversed(backends))):
+                times[name].append(measure(name, prompt))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    m = {name: statistics.median(t) for name, t in times.items()}
+    r = _record(benchmark, {"group": GROUP, "prompt_tokens": GROUP_PROMPT, "layers": MEDIUM["num_layers"],
+                            "cold_prefill_s": m["cold"], "reuse_prefill_s": m["warm"],
+                            "prefill_ratio_cold_over_reuse": m["cold"] / m["warm"],
+                            "invariant_cold_prefill_s": m["invariant_cold"],
+                            "invariant_reuse_prefill_s": m["invariant_warm"],
+                            "invariant_prefill_ratio": m["invariant_cold"] / m["invariant_warm"],
+                            "target_ratio": GROUP_TARGET})
+    assert r["prefill_ratio_cold_over_reuse"] >= GROUP_TARGET, r
+
+
+def _greedy_prompts(engine: rle.Engine, count: int, max_new: int) -> list[list[int]]:
+    """``count`` prompts whose greedy continuations run ``max_new`` tokens without an eos."""
+    rng = np.random.default_rng(0)
+    sampler = engine.sampling_client()
+    chosen: list[list[int]] = []
+    while len(chosen) < count:
+        candidates = rng.integers(3, engine.backend.vocab_size, (count, PROMPT_LEN)).tolist()
+        futures = [sampler.sample(p, 1, rle.SamplingParams(max_tokens=max_new, temperature=0.0)) for p in candidates]
+        chosen += [p for p, f in zip(candidates, futures) if f.result(300).sequences[0].length == max_new]
+    return chosen[:count]
+
+
+@pytest.mark.parametrize("model_args", [pytest.param({}, id="tiny"), pytest.param(MEDIUM, id="6_layers")])
+def test_engine_vs_hf_generate_at_batch_1_16_64(benchmark, cache, model_args):
+    """Static batching's home ground: every prompt of 16 tokens, every continuation 64 greedy
+    tokens, all requests sent at once. The Engine (torch backend, continuous batching, no prefix
+    cache: HF keeps nothing between calls) against one HF ``generate`` call on the whole batch;
+    5 alternating rounds per batch size, throughput ratio of the medians (target >= 1 at each)."""
+    from transformers import AutoModelForCausalLM
+
+    new = 64
+    result: dict = {"new_tokens_each": new, "target_ratio": 1.0}
+    config = rle.EngineConfig(model="tiny", model_args=model_args, backend="torch", cache_dir=cache,
+                              engine_args={"prefix_cache_bytes": 0})
+    with rle.Engine(config) as engine:
+        hf = AutoModelForCausalLM.from_pretrained(engine.model_path, local_files_only=True).eval()
+        prompts = _greedy_prompts(engine, 64, new)
+
+        def run() -> None:
+            for batch in (1, 16, 64):
+                chosen = prompts[:batch]
+                _engine_run(engine, chosen, [new] * batch)  # warm-up
+                _hf_run(hf, chosen, new)
+                ours, theirs = [], []
+                for k in range(ROUNDS):
+                    if k % 2:
+                        theirs.append(_hf_run(hf, chosen, new))
+                        ours.append(_engine_run(engine, chosen, [new] * batch)[0])
+                    else:
+                        ours.append(_engine_run(engine, chosen, [new] * batch)[0])
+                        theirs.append(_hf_run(hf, chosen, new))
+                e, h = statistics.median(ours), statistics.median(theirs)
+                result.update({f"batch{batch}_engine_tokens_per_s": batch * new / e,
+                               f"batch{batch}_hf_tokens_per_s": batch * new / h,
+                               f"batch{batch}_ratio_engine_over_hf": h / e})
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    r = _record(benchmark, result)
+    for batch in (1, 16, 64):
+        assert r[f"batch{batch}_ratio_engine_over_hf"] >= 1.0, r

@@ -27,9 +27,24 @@ there, on the compute thread); each step its row of the logits is masked to
 the tokens the grammar allows before sampling, so the token and its logprob
 come from the masked distribution (``backends.grammar``).
 
+Prefix KV reuse (``prefix_cache``, ``engine_args["prefix_cache_bytes"]``, 0
+off): the KV of every prompt prefilled, and by default of every sequence that
+finished normally (prompt and generated tokens), goes into a radix tree
+under a byte budget with LRU eviction. A joiner whose prompt starts with a
+cached prefix copies that KV into its slot and prefills only the rest (at
+least its last token, whose logits it samples from); the samples of a group,
+which arrive together with one prompt, are prefilled in two passes of one
+step, the first sample, then the others over its KV. Reused KV gives the
+tokens and logprobs of a cold prefill within rounding (1e-5 in float32), and bitwise in
+batch-invariant mode, where only prefilled KV is cached (``decoder``). A
+request for prompt logprobs (or their top k) runs its whole prompt: they need
+every position's logits.
+
 ``load_weights`` copies named tensors into the backend's own model copy
 (validated completely before the first copy, so a bad install leaves the old
-weights intact). The backend cannot sleep: it frees its KV cache whenever no
+weights intact) and empties the prefix cache: KV computed by other weights is
+stale, and neither it nor the KV of a request that ran across the install is
+ever reused. The backend cannot sleep: it frees its KV cache whenever no
 request runs, and its weights stay resident.
 
 Compute thread only; it never touches engine state (see ``backends.base``).
@@ -37,6 +52,7 @@ Compute thread only; it never touches engine state (see ``backends.base``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections import OrderedDict
@@ -48,13 +64,26 @@ import torch
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
 from rlengine.backends.grammar import Constrained, Grammars, mask_logits
-from rlengine.backends.torch.decoder import DecoderRunner
-from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
+from rlengine.backends.torch.decoder import DecoderRunner, PrefillJob
+from rlengine.backends.torch.prefix_cache import PrefixCache, common_prefix
+from rlengine.backends.torch.runtime import (
+    PREFIX_CACHE_BYTES,
+    configure_threads,
+    engine_args,
+    load_causal_lm,
+    pick_device,
+    torch_dtype,
+)
 from rlengine.backends.torch.sampling import StopText, processed_log_softmax, sample_tokens
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.types import MAX_TOP_LOGPROBS
 
 __all__ = ["TorchBackend", "build"]
+
+_LENGTH_HINT = 256
+_MIN_SHARED = 32
+"""Tokens a joiner must share with an earlier joiner of its step (beyond what the prefix cache
+already holds) to wait for that one's KV: the second prefill pass this costs is worth it then."""
 
 
 class _Seq:
@@ -62,10 +91,13 @@ class _Seq:
 
     __slots__ = (
         "constrained",
+        "epoch",
         "generator",
+        "ids",
         "length",
         "logprobs",
         "max_tokens",
+        "ok",
         "processed",
         "prompt",
         "prompt_logprobs",
@@ -86,11 +118,13 @@ class _Seq:
         "want_prompt_logprobs",
     )
 
-    def __init__(self, req: BackendRequest, prompt: list[int], vocab_size: int, eos: frozenset[int],
+    def __init__(self, req: BackendRequest, ids: np.ndarray, vocab_size: int, eos: frozenset[int],
                  tokenizer: Any, constrained: Constrained | None) -> None:
         p = req.params
         self.rid = req.request_id
-        self.prompt = prompt
+        self.ids = ids
+        """The prompt as int32 (the prefix cache's key)."""
+        self.prompt = ids.tolist()
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.reported = 0
@@ -122,6 +156,16 @@ class _Seq:
         handed out with the first output."""
         self.length = 0
         """Tokens of this sequence held in its KV cache slot."""
+        self.epoch = -1
+        """The backend's weight install count when this sequence was prefilled: its KV is the
+        prefix cache's to keep only if no install happened since."""
+        self.ok = False
+        """Finished normally (a stop or max_tokens): its KV may go into the prefix cache."""
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Prompt logprobs (or their top k) come from running every prompt position."""
+        return self.want_prompt_logprobs or self.prompt_top > 0
 
 
 class TorchBackend:
@@ -131,7 +175,8 @@ class TorchBackend:
 
     def __init__(self, model_path: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 prefill_tokens: int = 8192, batch_invariant: bool = False, processed: bool = False) -> None:
+                 prefill_tokens: int = 8192, batch_invariant: bool = False, processed: bool = False,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> None:
         self.threads = configure_threads()
         self.device = device or torch.device("cpu")
         self.dtype = dtype
@@ -155,6 +200,12 @@ class TorchBackend:
         self.tokenizer = self._load_tokenizer(model_path)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.runner = DecoderRunner(model, self.max_model_len, batch_invariant=batch_invariant)
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes, self.runner.cache.bytes_per_token)
+                             if prefix_cache_bytes else None)
+        self.reused_tokens = 0
+        """Prompt tokens whose prefill the prefix cache spared, since the backend started."""
+        self._epoch = 0
+        """Weight installs so far (``_Seq.epoch``)."""
         why = ("CPU: there is no accelerator memory to release" if self.device.type == "cpu" else
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
@@ -212,8 +263,7 @@ class TorchBackend:
             raise InvalidRequest("sampling_params.stop", request.params.stop, "the model directory has no tokenizer")
         p = request.params
         constrained = self.grammars.matcher(p.constraint) if p.constraint is not None else None
-        self._waiting[rid] = _Seq(request, prompt.tolist(), self.vocab_size, self.eos_ids, self.tokenizer,
-                                  constrained)
+        self._waiting[rid] = _Seq(request, prompt, self.vocab_size, self.eos_ids, self.tokenizer, constrained)
         self._active.add(rid)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -243,17 +293,14 @@ class TorchBackend:
                     s.length += 1
                 self._emit(running, 0, logits, [None] * len(running), outputs, finished)
             joiners = self._admit()
-            if self.runner.batch_invariant:
-                joiners.sort(key=lambda s: len(s.prompt))  # equal lengths prefill together
             if joiners:
                 first = len(running)
-                running.extend(joiners)
-                logits, prompt_lps, prompt_tops = self.runner.prefill(
-                    [s.prompt for s in joiners], first, [s.want_prompt_logprobs for s in joiners],
-                    [s.prompt_top for s in joiners])
-                for s, tops in zip(joiners, prompt_tops):
-                    s.length = len(s.prompt)
-                    s.prompt_tops = tops
+                # Room for every running sequence to reach its max_tokens, or twice its prompt (at
+                # least _LENGTH_HINT) if that is far: decode then rarely regrows the cache.
+                self.runner.reserve(first + len(joiners), max(
+                    min(len(s.prompt) + s.max_tokens, max(2 * len(s.prompt), _LENGTH_HINT))
+                    for s in itertools.chain(running, joiners)))
+                joiners, logits, prompt_lps = self._prefill(joiners, first)
                 self._emit(joiners, first, logits, prompt_lps, outputs, finished)
             self._free_slots(finished)
             self.steps += 1
@@ -273,6 +320,69 @@ class TorchBackend:
             joiners.append(seq)
             longest = longest_if
         return joiners
+
+    def _prefill(self, joiners: list[_Seq], first: int) -> tuple[list[_Seq], torch.Tensor, list[list[float] | None]]:
+        """Prefill this step's joiners into slots ``first..``, reusing cached prefixes; returns them
+        in slot order with their last positions' logits and their prompt logprobs.
+
+        A group's samples arrive together with one prompt: the first of them is prefilled in a
+        first pass and cached, and the ones that share at least ``_MIN_SHARED`` more tokens with
+        it than the cache held are prefilled in a second pass, over its KV."""
+        cache = self.prefix_cache
+        later: list[_Seq] = []
+        if cache is not None:
+            leaders: list[_Seq] = []
+            for seq in joiners:
+                if seq.needs_whole_prompt:
+                    leaders.append(seq)
+                    continue
+                limit = len(seq.prompt) - 1
+                held = cache.match(seq.ids, limit)[0]
+                shared = max((common_prefix(seq.ids[:limit], other.ids) for other in leaders
+                              if other.ids[0] == seq.ids[0]), default=0)
+                (later if shared >= held + _MIN_SHARED else leaders).append(seq)
+            joiners = leaders
+        self._running.extend(joiners)
+        logits, prompt_lps = self._prefill_pass(joiners, first)
+        if later:
+            self._cache_prompts(joiners, first)
+            self._running.extend(later)
+            more, more_lps = self._prefill_pass(later, first + len(joiners))
+            logits, prompt_lps = torch.cat([logits, more]), prompt_lps + more_lps
+            self._cache_prompts(later, first + len(joiners))
+            joiners = joiners + later
+        else:
+            self._cache_prompts(joiners, first)
+        return joiners, logits, prompt_lps
+
+    def _prefill_pass(self, seqs: list[_Seq], first: int) -> tuple[torch.Tensor, list[list[float] | None]]:
+        cache = self.prefix_cache
+        jobs = []
+        for seq in seqs:
+            start, pieces = 0, []
+            if cache is not None and not seq.needs_whole_prompt:
+                held, pieces = cache.match(seq.ids, len(seq.prompt) - 1)
+                start = self.runner.reuse_start(held)
+            seq.epoch = self._epoch
+            self.reused_tokens += start
+            jobs.append(PrefillJob(seq.prompt, start, pieces, seq.want_prompt_logprobs, seq.prompt_top))
+        logits, prompt_lps, prompt_tops = self.runner.prefill(jobs, first)
+        for seq, tops in zip(seqs, prompt_tops):
+            seq.length = len(seq.prompt)
+            seq.prompt_tops = tops
+        return logits, prompt_lps
+
+    def _cache_prompts(self, seqs: list[_Seq], first: int) -> None:
+        """Put the prompts just prefilled into slots ``first..`` into the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        for i, seq in enumerate(seqs):
+            self._cache_slot(first + i, seq.ids)
+
+    def _cache_slot(self, slot: int, tokens: np.ndarray) -> None:
+        read = self.runner.cache.read
+        assert self.prefix_cache is not None
+        self.prefix_cache.insert(tokens, lambda start, end: read(slot, start, end))
 
     def _emit(self, seqs: list[_Seq], first_slot: int, logits: torch.Tensor,
               prompt_lps: list[list[float] | None], outputs: list[RequestOutput], finished: list[int]) -> None:
@@ -329,6 +439,7 @@ class TorchBackend:
             if done or seq.stream:
                 out = self._report(seq)
                 if done:
+                    seq.ok = True
                     out.finished = True
                     out.stop_reason = "stop" if stop else "length"
                     finished.append(first_slot + i)
@@ -350,8 +461,16 @@ class TorchBackend:
     def _free_slots(self, slots: list[int]) -> None:
         """Remove the sequences in ``slots``; the last live slot moves into each hole."""
         running = self._running
+        # Batch-invariant mode keeps only prefilled KV: decode computes a position differently
+        # from a prefill (decoder docstring).
+        keep_generated = self.prefix_cache is not None and not self.runner.batch_invariant
         for slot in sorted(slots, reverse=True):
-            self._active.discard(running[slot].rid)
+            seq = running[slot]
+            self._active.discard(seq.rid)
+            if keep_generated and seq.ok and seq.epoch == self._epoch:
+                # Its prompt and all but its last token (never fed back) are in its slot.
+                tokens = np.concatenate([seq.ids, np.asarray(seq.tokens, dtype=np.int32)])
+                self._cache_slot(slot, tokens[:seq.length])
             last = len(running) - 1
             if slot != last:
                 moved = running[last]
@@ -380,6 +499,11 @@ class TorchBackend:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"torch backend: load_weights is missing {len(missing)} tensor(s): {shown}")
+        # Every cached KV was computed by the old weights, and so is the KV of every request now
+        # running: none of it may be reused from here on (``_Seq.epoch``).
+        self._epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         with torch.no_grad():
             for param, tensor in staged:
                 param.copy_(tensor, non_blocking=True)
@@ -398,13 +522,18 @@ class TorchBackend:
         self._running.clear()
         self._active.clear()
         self.runner.cache.release()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def describe(self) -> dict[str, Any]:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "threads": self.threads, "running": len(self._running), "waiting": len(self._waiting),
-                "kv_cache_bytes": self.runner.cache.nbytes, "version": self.version}
+                "kv_cache_bytes": self.runner.cache.nbytes, "version": self.version,
+                "prefix_cache_bytes": 0 if self.prefix_cache is None else self.prefix_cache.nbytes,
+                "prefix_cache_budget": 0 if self.prefix_cache is None else self.prefix_cache.budget,
+                "prefix_reused_tokens": self.reused_tokens}
 
 
 def build(config: Any, model_path: str | None) -> TorchBackend:
@@ -414,5 +543,5 @@ def build(config: Any, model_path: str | None) -> TorchBackend:
     args = engine_args(config)
     return TorchBackend(model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"],
-                        batch_invariant=args["batch_invariant"],
+                        batch_invariant=args["batch_invariant"], prefix_cache_bytes=args["prefix_cache_bytes"],
                         processed=getattr(config, "logprobs_mode", "raw") == "processed")

@@ -20,12 +20,16 @@ import torch
 from rlengine.backends.torch.threads import decide
 from rlengine.errors import ConfigurationError
 
-__all__ = ["ENGINE_ARGS", "SUPPORTED_ARCHITECTURES", "configure_threads", "engine_args", "load_causal_lm",
-           "pick_device", "torch_dtype"]
+__all__ = ["ENGINE_ARGS", "PREFIX_CACHE_BYTES", "SUPPORTED_ARCHITECTURES", "configure_threads", "engine_args",
+           "load_causal_lm", "pick_device", "torch_dtype"]
 
 # Architectures whose decoder layers the torch backend runs itself (Llama-style
 # attention: q/k/v/o projections, RoPE, RMSNorm, gated MLP; Qwen3 adds q/k norms).
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+
+PREFIX_CACHE_BYTES = 256 * 2**20
+"""The torch backend's default prefix cache budget: on the CPU, thousands of tokens' KV of a
+small model (a 0.5B Qwen2 in bfloat16 holds 12 KB per token: about 21,000 tokens)."""
 
 ENGINE_ARGS: dict[str, object] = {
     "device": None,
@@ -33,6 +37,7 @@ ENGINE_ARGS: dict[str, object] = {
     "micro_batch_tokens": 8192,
     "batch_invariant": False,
     "tree_min_prefix": 64,
+    "prefix_cache_bytes": PREFIX_CACHE_BYTES,
 }
 """``EngineConfig.engine_args`` understood by the torch backend and trainer, with defaults:
 ``device`` (None: CUDA if available, else CPU); ``prefill_tokens``, the padded
@@ -43,7 +48,10 @@ logprobs bitwise independent of what shares its batches (``decoder``; slower),
 which multi-turn runs need to be reproducible from their seed;
 ``tree_min_prefix``, the trainer's tree batches: datums of a call sharing at
 least this many leading tokens are packed as a tree, each shared prefix
-computed once (``rlengine.trainer.tree``); 0 turns them off."""
+computed once (``rlengine.trainer.tree``); 0 turns them off;
+``prefix_cache_bytes``, the memory the torch backend's prefix cache may hold
+(KV of prompts and conversations it has computed, reused by requests that
+start with them; 0 turns it off; ``backends.torch.prefix_cache``)."""
 
 
 def configure_threads() -> int:
@@ -69,6 +77,9 @@ def engine_args(config: Any) -> dict[str, Any]:
     v = args["tree_min_prefix"]
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ConfigurationError(f"engine_args['tree_min_prefix']={v!r}: must be an integer >= 0 (0: off)")
+    v = args["prefix_cache_bytes"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigurationError(f"engine_args['prefix_cache_bytes']={v!r}: must be an integer >= 0")
     if not isinstance(args["batch_invariant"], bool):
         raise ConfigurationError(f"engine_args['batch_invariant']={args['batch_invariant']!r}: must be true or false")
     return args
