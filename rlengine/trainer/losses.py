@@ -278,12 +278,21 @@ def _corrections(loss_fn: str, config: dict[str, Any]) -> tuple[tuple[str, float
     return tuple((key, float(config[key])) for key in given)
 
 
+def _action_tokens(inputs: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """The datum's action tokens (module docstring): ``mask`` > 0 if given, else a non-zero
+    advantage (every token for a loss without advantages)."""
+    if "mask" in inputs:
+        return inputs["mask"] > 0
+    if "advantages" in inputs:
+        return inputs["advantages"] != 0
+    return np.ones(n, dtype=bool)
+
+
 def mismatch_sums(logp: np.ndarray, inputs: dict[str, np.ndarray]) -> dict[str, float]:
     """One datum's mismatch diagnostics (module docstring); empty without ``logprobs`` or action tokens."""
     if "logprobs" not in inputs:
         return {}
-    action = inputs["mask"] > 0 if "mask" in inputs else inputs.get("advantages", np.ones(1)) != 0
-    action = np.broadcast_to(action, logp.shape)
+    action = _action_tokens(inputs, logp.shape[0])
     if not action.any():
         return {}
     d = inputs["logprobs"].astype(np.float64)[action] - logp.astype(np.float64)[action]
@@ -311,7 +320,7 @@ def correction_weights(inputs: dict[str, np.ndarray], settings: LossSettings) ->
         return np.ones(n), {}
     log_w = inputs["old_logprobs"].astype(np.float64) - inputs["logprobs"].astype(np.float64)
     w = np.exp(log_w)
-    action = inputs["mask"] > 0 if "mask" in inputs else inputs["advantages"] != 0
+    action = _action_tokens(inputs, n)
     c = np.ones(n)
     truncated = masked = np.zeros(n, dtype=bool)
     cap = settings.correction("tis_cap")
