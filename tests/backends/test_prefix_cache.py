@@ -176,8 +176,8 @@ def test_a_multi_turn_sessions_growing_prompt_reuses_its_kv_and_gets_cold_result
         lengths.append(len(conv))
         conv = conv + got[0] + rng.integers(3, 1000, 20).tolist()
     assert reused[0] == 0
-    if invariant:  # the previous prompt, down to its block
-        assert reused[1:] == [block_start(n) for n in lengths[:-1]]
+    if invariant:  # the previous prompt (only prefilled KV is kept)
+        assert reused[1:] == lengths[:-1]
     else:  # the previous prompt and all but the last token of its answer
         assert reused[1:] == [n + 23 for n in lengths[:-1]]
     assert cold.describe()["prefix_cache_budget"] == 0 and cold.reused_tokens == 0
@@ -195,8 +195,31 @@ def test_a_group_sharing_a_prompt_prefills_it_once(tiny_model, invariant):
     expected = run(cold, group)
     for rid in expected:
         assert_same(got[rid], expected[rid], invariant)
-    assert warm.reused_tokens == 7 * warm.runner.reuse_start(149)
+    assert warm.reused_tokens == 7 * 149
     assert len({tuple(g[0]) for g in got.values()}) > 1  # the seeds differ, so do the samples
+
+
+@pytest.mark.parametrize("cached", [240, 241, 250, 255, 256, 257, 300, 319, 320, 383])
+def test_batch_invariant_reuse_resumes_inside_a_block_bitwise(tiny_model, cached):
+    """Batch-invariant reuse resumes at the first uncached position, inside its canonical block
+    (small and large blocks; at a block's first row, its second, its middle and its last, where
+    the row before is recomputed so SDPA runs two rows): bitwise a cold prefill, for one request
+    alone and for several in one pass resuming at different rows of one block."""
+    warm = TorchBackend(tiny_model, batch_invariant=True)
+    cold = TorchBackend(tiny_model, batch_invariant=True, prefix_cache_bytes=0)
+    rng = np.random.default_rng(cached)
+    base = rng.integers(3, 1000, cached).tolist()
+    run(warm, [request("base", base, 1)])
+    tails = [rng.integers(3, 1000, n).tolist() for n in (1, 2, 7, 70)]
+    for batch in ([0], [1, 2, 3]):
+        ask = [request(f"r{i}", base + tails[i], 8, seed=i) for i in batch]
+        before = warm.reused_tokens
+        got, expected = run(warm, ask), run(cold, ask)
+        for rid in expected:
+            assert_same(got[rid], expected[rid], bitwise=True)
+        assert warm.reused_tokens - before == cached * len(batch)
+        warm.prefix_cache.clear()
+        run(warm, [request("base", base, 1)])
 
 
 def test_weight_installs_invalidate_the_cache_so_a_cached_prefix_gets_the_new_weights_cold_logprobs(tiny_model):
@@ -279,7 +302,7 @@ def test_requests_for_prompt_logprobs_get_all_of_them_over_a_cached_prefix(tiny_
     assert len(got["p"][2]) == len(prompt) + 2 and len(got["p"][3]) == 3 * (len(prompt) + 2)
     for rid in expected:
         assert_same(got[rid], expected[rid], invariant)
-    assert warm.reused_tokens - before == warm.runner.reuse_start(len(prompt))  # only "q" reused
+    assert warm.reused_tokens - before == len(prompt)  # only "q" reused
 
 
 def test_the_engine_fans_a_group_out_onto_one_prefill_and_installs_clear_the_cache(model_cache):

@@ -361,8 +361,7 @@ class TorchBackend:
         for seq in seqs:
             start, pieces = 0, []
             if cache is not None and not seq.needs_whole_prompt:
-                held, pieces = cache.match(seq.ids, len(seq.prompt) - 1)
-                start = self.runner.reuse_start(held)
+                start, pieces = cache.match(seq.ids, len(seq.prompt) - 1)
             seq.epoch = self._epoch
             self.reused_tokens += start
             jobs.append(PrefillJob(seq.prompt, start, pieces, seq.want_prompt_logprobs, seq.prompt_top))

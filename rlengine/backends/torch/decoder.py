@@ -36,8 +36,12 @@ attending over keys ``0..block end`` under one causal mask, with blocks of one
 start batched together. A position's K/V is then a function of the tokens up
 to it alone, whoever computed the positions before it, which is what lets
 the prefix cache reuse prefilled KV in this mode bitwise: a prefill resumes
-at the block holding its first uncached position (``reuse_start``) and
-recomputes the rest of that block (the same values). Decode computes its
+at its first uncached position, running the rest of that block's rows against
+the block's own key span and mask. A row of a block comes out the same
+whether the block runs whole or from a later row (SDPA over two or more
+query rows; its one-query path rounds differently, measured, so a resumed
+block runs at least ``_MIN_ROWS`` rows, recomputing the one before if need
+be: the same values). Decode computes its
 position differently (one query against a rounded span), so in this mode the
 backend caches only prefilled KV, never generated tokens'. Measured bitwise on
 CPU (``tests/backends/test_torch_backend.py``,
@@ -76,6 +80,8 @@ _SMALL_SPAN = 256
 _BLOCK = 64
 """Batch-invariant prefill blocks: ``_SMALL_BLOCK`` positions each below ``_SMALL_SPAN``
 (short prompts pad little), ``_BLOCK`` after (long ones take fewer passes)."""
+_MIN_ROWS = 2
+"""Fewest rows a resumed batch-invariant block runs (SDPA's one-query path rounds differently)."""
 
 
 class KVSlots:
@@ -259,11 +265,6 @@ class DecoderRunner:
             length = _round_up(length + 1, _SPAN_BLOCK)  # what the last decode step attends over
         self.cache.reserve(n_slots, min(length, self.cache.max_len))
 
-    def reuse_start(self, cached: int) -> int:
-        """Where a prefill over ``cached`` positions of reused KV starts: there, or in batch-invariant
-        mode the start of its block, so that every position is computed in its one canonical block."""
-        return block_start(cached) if self.batch_invariant else cached
-
     # -- the decoder layers ----------------------------------------------------------
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
@@ -416,7 +417,6 @@ class DecoderRunner:
         whatever came before it in the slot or shares the step; see the module docstring."""
         lengths = [len(job.tokens) for job in jobs]
         at = [block_start(job.start) for job in jobs]
-        assert at == [job.start for job in jobs], "batch-invariant prefill starts at a block (reuse_start)"
         last: list[torch.Tensor | None] = [None] * len(jobs)
         kept: list[list[torch.Tensor] | None] = [[] if self._wants_prompt(job) else None for job in jobs]
         while True:
@@ -426,34 +426,42 @@ class DecoderRunner:
             a = min(at[i] for i in pending)
             group = [i for i in pending if at[i] == a]
             end = a + _block_size(a)
-            hidden = self._prefill_block([jobs[i].tokens[a:end] for i in group], [first_slot + i for i in group], a)
+            # Rows lo..hi-1 run: the whole block, or from the first uncached row of a resumed one
+            # to the last real row (at least _MIN_ROWS; rows before a job's start recompute its reused KV).
+            lo = min(max(jobs[i].start, a) for i in group)
+            hi = end
+            if lo > a:
+                hi = max(min(lengths[i], end) for i in group)
+                lo = min(lo, hi - _MIN_ROWS)
+            hidden = self._prefill_block([jobs[i].tokens[lo:hi] for i in group], [first_slot + i for i in group],
+                                         a, lo, hi)
             for row, i in enumerate(group):
                 if end >= lengths[i]:
-                    last[i] = hidden[row, lengths[i] - 1 - a]
+                    last[i] = hidden[row, lengths[i] - 1 - lo]
                 rows_kept = kept[i]
-                if rows_kept is not None:
-                    rows_kept.append(hidden[row, :min(end, lengths[i]) - a])
+                if rows_kept is not None:  # prompt logprobs: start 0, so whole blocks (lo == a)
+                    rows_kept.append(hidden[row, :min(end, lengths[i]) - lo])
                 at[i] = end
         return torch.stack(last), [None if rows is None else torch.cat(rows)[:lengths[i] - 1]  # type: ignore[arg-type]
                                    for i, rows in enumerate(kept)]
 
-    def _prefill_block(self, tokens: list[list[int]], slots: list[int], a: int) -> torch.Tensor:
-        """The hidden states [len(slots), block, hidden] of the block starting at ``a``, whose
-        ``tokens`` (zero-padded to the block) go into ``slots``; earlier blocks are in the slots."""
-        size = _block_size(a)
-        end = a + size
+    def _prefill_block(self, tokens: list[list[int]], slots: list[int], a: int, lo: int, hi: int) -> torch.Tensor:
+        """The hidden states [len(slots), hi - lo, hidden] of rows ``lo..hi-1`` of the block
+        starting at ``a``, whose ``tokens`` (zero-padded to ``hi - lo``) go into ``slots``; the
+        positions before ``lo`` are in the slots. Every row attends over the block's key span."""
+        end = a + _block_size(a)
         cache = self.cache
-        ids = self._padded([t + [0] * (size - len(t)) for t in tokens])
+        ids = self._padded([t + [0] * (hi - lo - len(t)) for t in tokens])
         index = torch.as_tensor(slots, device=self.device)
-        positions = torch.arange(a, end, device=self.device).unsqueeze(0).expand(len(slots), size)
-        # One mask per block, the same for every row: key j is visible to the query at a + t iff j <= a + t.
+        positions = torch.arange(lo, hi, device=self.device).unsqueeze(0).expand(len(slots), hi - lo)
+        # The block's mask, the same for every row: key j is visible to the query at p iff j <= p.
         mask = self._additive((torch.arange(end, device=self.device)[None, :]
-                               <= torch.arange(a, end, device=self.device)[:, None])[None, None])
+                               <= torch.arange(lo, hi, device=self.device)[:, None])[None, None])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             ck, cv = cache.layer(layer)
-            ck[index, :, a:end] = k
-            cv[index, :, a:end] = v
+            ck[index, :, lo:hi] = k
+            cv[index, :, lo:hi] = v
             # Gathered copies: every block of a given start attends over tensors of one layout.
             return self._sdpa(q, ck[:, :, :end].index_select(0, index), cv[:, :, :end].index_select(0, index), mask)
 
