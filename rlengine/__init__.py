@@ -18,15 +18,15 @@ from typing import Any
 # only msgspec and the standard library) does not import the engine and numpy.
 _EXPORTS: dict[str, str] = {
     "SamplingClient": "rlengine.core.clients", "TrainingClient": "rlengine.core.clients",
-    "EngineConfig": "rlengine.core.config", "SimConfig": "rlengine.core.config",
+    "EngineConfig": "rlengine.core.config", "Placement": "rlengine.core.config", "SimConfig": "rlengine.core.config",
     "Engine": "rlengine.core.engine",
     "RequestFuture": "rlengine.core.futures",
     "Lease": "rlengine.core.scheduler",
     **{name: "rlengine.errors" for name in (
         "BackendRequestError", "ConfigurationError", "ContextLengthExceeded", "DrainTimeout", "EngineClosed",
         "EngineDeadError",
-        "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "RequestAborted", "RequestError",
-        "RequestTimeout", "RLEngineError")},
+        "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "ReplicaLost", "RequestAborted",
+        "RequestError", "RequestTimeout", "RLEngineError", "WeightSyncError")},
     **{name: "rlengine.types" for name in (
         "AdamParams", "Datum", "ForwardBackwardOutput", "LoadWeightsResponse", "LogprobTransform", "ModelInput",
         "OptimStepResponse", "Receipt", "SampledSequence", "SampleResponse", "SamplingParams", "SaveWeightsForSamplerResponse",
@@ -56,7 +56,8 @@ __all__ = [
     "Engine",
     "EngineClosed", "EngineConfig", "EngineDeadError", "ForwardBackwardOutput", "GateError", "GatePoisoned",
     "InvalidRequest", "Lease", "LoadWeightsResponse", "LogprobTransform", "ModelInput", "ModelNotLoaded", "OptimStepResponse",
-    "RLEngineError", "Receipt", "RequestAborted", "RequestError", "RequestFuture", "RequestTimeout",
+    "Placement", "RLEngineError", "Receipt", "ReplicaLost", "RequestAborted", "RequestError", "RequestFuture", "RequestTimeout",
     "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse",
-    "SaveWeightsResponse", "SimConfig", "TensorData", "TrainingClient", "UnloadModelResponse", "__version__",
+    "SaveWeightsResponse", "SimConfig", "TensorData", "TrainingClient", "UnloadModelResponse", "WeightSyncError",
+    "__version__",
 ]

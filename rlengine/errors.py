@@ -111,6 +111,18 @@ class BackendRequestError(RequestError, RuntimeError):
     """
 
 
+class ReplicaLost(RequestError, RuntimeError):
+    """The sampler replica running this request died (``placement="ray"``): the request
+    failed and nothing more of it will come. Its outcome is known, so its lease poisons
+    nothing; the engine keeps serving on the other replicas (and a replacement)."""
+
+
+class WeightSyncError(RLEngineError, RuntimeError):
+    """A weight install did not reach every sampler replica in time (a replica failed, died
+    or timed out): the install failed, and every replica is back on the previous version
+    (or being replaced by one that is)."""
+
+
 class GateError(RLEngineError, RuntimeError):
     """The request gate refused an operation in its current state."""
 

@@ -70,6 +70,9 @@ class BackendRequest(msgspec.Struct, gc=False):
     prompt_top_logprobs: int = 0
     """Also report, for every prompt token after the first, the k most likely tokens at its
     position and their logprobs (``RequestOutput.prompt_top_ids``); 0: none."""
+    affinity: str | None = None
+    """What this sequence belongs with (its session, else its sample call): a backend that
+    spreads requests over replicas keeps one affinity on one replica, where its prefix is cached."""
 
 
 class RequestOutput:
@@ -79,6 +82,7 @@ class RequestOutput:
         "error",
         "finished",
         "logprobs",
+        "lost",
         "prompt_logprobs",
         "prompt_top_ids",
         "prompt_top_logprobs",
@@ -102,6 +106,7 @@ class RequestOutput:
         top_logprobs: Any = None,
         prompt_top_ids: Any = None,
         prompt_top_logprobs: Any = None,
+        lost: bool = False,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -124,6 +129,9 @@ class RequestOutput:
         """With ``BackendRequest.prompt_top_logprobs`` k > 0: k ids per prompt token after the first,
         flat, most likely first; ``prompt_top_logprobs`` their logprobs. On the first output only."""
         self.prompt_top_logprobs = prompt_top_logprobs
+        self.lost = lost
+        """With ``error``: the request was lost with the replica that ran it (the engine fails it
+        with ``ReplicaLost``, a known outcome) rather than failed by a live backend."""
 
 
 @runtime_checkable

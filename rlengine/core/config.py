@@ -20,7 +20,7 @@ import numpy as np
 
 from rlengine.errors import ConfigurationError
 
-__all__ = ["EngineConfig", "SimConfig", "continuous_sampling_from_env", "is_loopback"]
+__all__ = ["EngineConfig", "Placement", "SimConfig", "continuous_sampling_from_env", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
@@ -94,6 +94,52 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True):
         return np.random.default_rng(self.seed).normal(0.0, 1.0, self.vocab_size).astype(np.float32)
 
 
+class Placement(msgspec.Struct, kw_only=True, frozen=True):
+    """Where the engine's data plane runs. ``local`` (the default): the backend in this
+    process, on the engine's compute thread. ``ray``: ``sampler_replicas`` Ray actors, each
+    running the configured backend (torch, vLLM, sim) with the same backend protocol, behind
+    this process's one gate, scheduler and loop (``rlengine.core.ray_replicas``); the trainer
+    stays in this process. Ray is imported only here, and only when ``kind="ray"``.
+
+    ``address``: the Ray cluster (None: the one this process already joined, else
+    ``$RAY_ADDRESS``, else a local one started for the engine). ``replica_resources``: what
+    each replica actor asks of Ray (e.g. ``{"CPU": 1}``, ``{"GPU": 1}``). A replica that dies
+    fails only its own requests (``ReplicaLost``) and, with ``replace_dead``, is replaced by one
+    loaded with the current weights, at most ``max_replacements`` times per engine. A weight
+    install reaches every replica in buckets of ``sync_bucket_bytes`` through the object
+    store, within ``sync_timeout_s`` or fails (``WeightSyncError``); a replica has
+    ``start_timeout_s`` to build its backend."""
+
+    kind: Literal["local", "ray"] = "local"
+    sampler_replicas: int = 1
+    replica_resources: dict[str, float] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
+    address: str | None = None
+    replace_dead: bool = True
+    max_replacements: int = 8
+    sync_bucket_bytes: int = 64 << 20
+    sync_timeout_s: float = 300.0
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "ray"):
+            raise ConfigurationError(f"placement.kind={self.kind!r}: must be 'local' or 'ray'")
+        _positive("placement.sampler_replicas", self.sampler_replicas, integer=True)
+        if self.kind == "local" and self.sampler_replicas != 1:
+            raise ConfigurationError(f"placement.sampler_replicas={self.sampler_replicas}: replicas are Ray actors "
+                                     "(placement.kind='ray'); a local engine has one backend")
+        if not isinstance(self.replica_resources, dict) or not all(
+                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
+                for k, v in self.replica_resources.items()):
+            raise ConfigurationError(f"placement.replica_resources={self.replica_resources!r}: must map resource "
+                                     "names to amounts >= 0")
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise ConfigurationError(f"placement.address={self.address!r}: must be a Ray address or None")
+        _positive("placement.max_replacements", self.max_replacements, integer=True, zero_ok=True)
+        _positive("placement.sync_bucket_bytes", self.sync_bucket_bytes, integer=True)
+        _positive("placement.sync_timeout_s", self.sync_timeout_s)
+        _positive("placement.start_timeout_s", self.start_timeout_s)
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """How to build an ``Engine``.
 
@@ -132,8 +178,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     top-p). vLLM records one mode per engine: this one, and a request asking for the other is
     refused."""
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
+    placement: Placement = msgspec.field(default_factory=Placement)
+    """Where the backend runs: in this process (the default) or as Ray actor replicas (``Placement``)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.placement, Placement):
+            raise ConfigurationError(f"placement={self.placement!r}: must be a Placement")
         if self.backend not in ("auto", "sim", "torch", "vllm", "scripted"):
             raise ConfigurationError(f"backend={self.backend!r}: must be auto, sim, torch, vllm or scripted")
         if self.logprobs_mode not in ("raw", "processed"):

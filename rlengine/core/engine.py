@@ -191,7 +191,15 @@ class Engine:
         spec = SPECS[self._spec_name]
         if spec.prepare is not None:
             self.model_path = load(spec.prepare)(self.config)
-        backend = self._given_backend or load(spec.backend)(self.config, self.model_path)
+        if self.config.placement.kind == "ray":
+            if self._given_backend is not None:
+                raise ConfigurationError("placement.kind='ray': the replicas build their own backends "
+                                         "(Engine(backend=...) is for placement 'local')")
+            from rlengine.core.ray_replicas import build as build_replicas  # imports Ray: only here
+
+            backend = build_replicas(self.config, self.model_path, self._spec_name)
+        else:
+            backend = self._given_backend or load(spec.backend)(self.config, self.model_path)
         if self.config.logprobs_mode not in backend.capabilities.logprobs_modes:
             if backend is not self._given_backend:
                 backend.close()

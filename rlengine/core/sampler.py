@@ -38,6 +38,7 @@ from rlengine.errors import (
     DrainTimeout,
     EngineClosed,
     EngineDeadError,
+    ReplicaLost,
     RequestAborted,
 )
 from rlengine.seeding import derive_seed
@@ -218,7 +219,7 @@ class SamplerLoop:
                 seq = seqs[rid] = Sequence(request, 0, rid, seed)
                 request.seqs = [seq]
                 to_add.append(BackendRequest(rid, spec.prompt, params, seed, max_tokens, spec.prompt_logprobs, stream,
-                                             spec.prompt_top_logprobs))
+                                             spec.prompt_top_logprobs, request.session_id or rid))
             else:
                 request.seqs = []
                 for i in range(n):
@@ -228,7 +229,7 @@ class SamplerLoop:
                     seqs[seq.backend_id] = seq
                     to_add.append(BackendRequest(seq.backend_id, spec.prompt, params, seed, max_tokens,
                                                  spec.prompt_logprobs and i == 0, stream,
-                                                 spec.prompt_top_logprobs if i == 0 else 0))
+                                                 spec.prompt_top_logprobs if i == 0 else 0, request.session_id or rid))
             self.admitted += 1
 
     def _backend_request(self, seq: Sequence, prompt: bytes) -> BackendRequest:
@@ -242,7 +243,7 @@ class SamplerLoop:
         first = seq.index == 0 and not seq.length
         return BackendRequest(seq.backend_id, prompt, params, seq.seed, max(1, min(want - seq.length, room)),
                               spec.prompt_logprobs and first, self._stream or request.on_tokens is not None,
-                              spec.prompt_top_logprobs if first else 0)
+                              spec.prompt_top_logprobs if first else 0, request.session_id or request.request_id)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -315,9 +316,13 @@ class SamplerLoop:
                 request.prompt_top_ids_raw = array("i", out.prompt_top_ids).tobytes()
                 request.prompt_top_logprobs_raw = array("f", out.prompt_top_logprobs).tobytes()
             if out.error is not None:
-                self._fail_sample(request, BackendRequestError(
-                    f"request {request.request_id}: backend failed mid-generation: {out.error}"), unknown=True,
-                    settled=settled)
+                if out.lost:
+                    self._fail_sample(request, ReplicaLost(f"request {request.request_id}: {out.error}"),
+                                      unknown=False, settled=settled)
+                else:
+                    self._fail_sample(request, BackendRequestError(
+                        f"request {request.request_id}: backend failed mid-generation: {out.error}"), unknown=True,
+                        settled=settled)
             elif out.finished:
                 del seqs[out.request_id]
                 seq.stop_reason = out.stop_reason or "stop"

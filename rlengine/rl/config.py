@@ -27,6 +27,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     seed: int = 0
     """Seeds the dataset order and every sampling seed (derived per group and attempt)."""
     backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
+    placement: Literal["local", "ray"] = "local"
+    """Where sampling runs: in this process, or ``sampler_replicas`` Ray actors behind the one
+    engine (``rlengine.Placement``; the trainer stays in this process)."""
+    sampler_replicas: int = 1
     reproducible: bool = True
     """A seed gives the same run whatever the timing: the torch backend samples batch-invariant
     (``engine_args["batch_invariant"]``), since a multi-turn or sandboxed run's batches form
@@ -165,7 +169,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         check_integer("seed", self.seed, minimum=None)
         if self.steps is not None:
             check_integer("steps", self.steps, minimum=1)
+        if self.placement not in ("local", "ray"):
+            raise ConfigurationError(f"placement={self.placement!r}: must be 'local' or 'ray'")
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
+                     "sampler_replicas",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
             check_integer(name, getattr(self, name), minimum=1)
         for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts",
