@@ -2,7 +2,7 @@
 
 * weight sync: ms per MB of a weight install to 2 replica actors through the object
   store (``Placement(kind="ray")``) vs the in-process install (``placement="local"``),
-  same model, alternating rounds;
+  same model, alternating rounds; and the same from a trainer sharded over 2 FSDP2 workers;
 * the ``copy`` recipe's RL steps/s in one process vs with 1 and 2 sampler replicas;
 * control-plane overhead per request: one-token sim requests, local vs one remote
   replica (sequential round trips and a burst of 2,000).
@@ -75,6 +75,35 @@ def test_weight_sync_ms_per_mb_object_store_vs_in_process(record, model_cache):
 
     r = record(run)
     assert r["ray_install_s"] > 0 and r["local_install_s"] > 0
+
+
+def test_weight_sync_from_two_fsdp2_trainer_workers_vs_in_process(record, model_cache):
+    """The install from the sharded trainer: every rank gathers each full tensor, rank 0 packs
+    the buckets and puts them in the object store, the 2 replicas load them (the driver only
+    passes references); against the in-process install of the same model."""
+    base = {"model": "tiny", "backend": "torch", "cache_dir": model_cache, "model_args": SYNC_MODEL}
+
+    def run() -> dict:
+        times: dict[str, list[float]] = {"local": [], "sharded": []}
+        syncs = []
+        with rle.Engine(rle.EngineConfig(**base)) as local:
+            mb = sum(p.numel() * p.element_size() for p in local.backend.model.parameters()) / 2**20
+            _install_s(local)
+            times["local"] = [_install_s(local) for _ in range(ROUNDS)]
+        placement = rle.Placement(kind="ray", sampler_replicas=2, trainer_workers=2)
+        with rle.Engine(rle.EngineConfig(**base, placement=placement)) as sharded:
+            _install_s(sharded)
+            for _ in range(ROUNDS):
+                times["sharded"].append(_install_s(sharded))
+                syncs.append(sharded.backend.last_sync)
+        local_s, sharded_s = statistics.median(times["local"]), statistics.median(times["sharded"])
+        return {"weights_mb": mb, "trainer_workers": 2, "replicas": 2, "local_install_s": local_s,
+                "sharded_install_s": sharded_s, "local_ms_per_mb": 1e3 * local_s / mb,
+                "sharded_ms_per_mb": 1e3 * sharded_s / mb, "sharded_over_local": sharded_s / local_s,
+                "replicas_load_s": statistics.median(s["load_s"] for s in syncs)}
+
+    r = record(run)
+    assert r["sharded_install_s"] > 0
 
 
 def _copy_steps_per_s(tmp_path, model_cache, name: str, overrides: dict) -> float:

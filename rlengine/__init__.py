@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
         "BackendRequestError", "ConfigurationError", "ContextLengthExceeded", "DrainTimeout", "EngineClosed",
         "EngineDeadError",
         "GateError", "GatePoisoned", "InvalidRequest", "ModelNotLoaded", "ReplicaLost", "RequestAborted",
-        "RequestError", "RequestTimeout", "RLEngineError", "WeightSyncError")},
+        "RequestError", "RequestTimeout", "RLEngineError", "TrainerLost", "WeightSyncError")},
     **{name: "rlengine.types" for name in (
         "AdamParams", "Datum", "ForwardBackwardOutput", "LoadWeightsResponse", "LogprobTransform", "ModelInput",
         "OptimStepResponse", "Receipt", "SampledSequence", "SampleResponse", "SamplingParams", "SaveWeightsForSamplerResponse",
@@ -58,6 +58,7 @@ __all__ = [
     "InvalidRequest", "Lease", "LoadWeightsResponse", "LogprobTransform", "ModelInput", "ModelNotLoaded", "OptimStepResponse",
     "Placement", "RLEngineError", "Receipt", "ReplicaLost", "RequestAborted", "RequestError", "RequestFuture", "RequestTimeout",
     "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse",
-    "SaveWeightsResponse", "SimConfig", "TensorData", "TrainingClient", "UnloadModelResponse", "WeightSyncError",
+    "SaveWeightsResponse", "SimConfig", "TensorData", "TrainerLost", "TrainingClient", "UnloadModelResponse",
+    "WeightSyncError",
     "__version__",
 ]

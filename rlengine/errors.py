@@ -151,3 +151,10 @@ class EngineDeadError(RLEngineError, RuntimeError):
 
 class EngineClosed(EngineDeadError):
     """The engine was closed on purpose; work submitted afterwards is refused."""
+
+
+class TrainerLost(RLEngineError, RuntimeError):
+    """A worker of the sharded trainer (``placement.trainer_workers > 1``) died or a training
+    call timed out: the FSDP group cannot continue, so that call and every later training
+    call fail with this (typed, at once: nothing waits for a lost rank). Sampling goes on;
+    training resumes from a checkpoint in a new engine."""

@@ -108,7 +108,12 @@ class Placement(msgspec.Struct, kw_only=True, frozen=True):
     loaded with the current weights, at most ``max_replacements`` times per engine. A weight
     install reaches every replica in buckets of ``sync_bucket_bytes`` through the object
     store, within ``sync_timeout_s`` or fails (``WeightSyncError``); a replica has
-    ``start_timeout_s`` to build its backend."""
+    ``start_timeout_s`` to build its backend.
+
+    ``trainer_workers`` > 1 shards the torch trainer over that many Ray actors, one
+    torch.distributed group with the model under FSDP2 (``rlengine.core.ray_trainer``), each
+    asking ``trainer_resources``; every training call waits at most ``train_timeout_s``
+    (``TrainerLost`` otherwise). 1: the trainer runs in this process."""
 
     kind: Literal["local", "ray"] = "local"
     sampler_replicas: int = 1
@@ -119,19 +124,28 @@ class Placement(msgspec.Struct, kw_only=True, frozen=True):
     sync_bucket_bytes: int = 64 << 20
     sync_timeout_s: float = 300.0
     start_timeout_s: float = 600.0
+    trainer_workers: int = 1
+    trainer_resources: dict[str, float] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
+    train_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("local", "ray"):
             raise ConfigurationError(f"placement.kind={self.kind!r}: must be 'local' or 'ray'")
+        _positive("placement.trainer_workers", self.trainer_workers, integer=True)
+        if self.kind == "local" and self.trainer_workers != 1:
+            raise ConfigurationError(f"placement.trainer_workers={self.trainer_workers}: trainer workers are Ray "
+                                     "actors (placement.kind='ray'); a local engine trains in process")
+        _positive("placement.train_timeout_s", self.train_timeout_s)
         _positive("placement.sampler_replicas", self.sampler_replicas, integer=True)
         if self.kind == "local" and self.sampler_replicas != 1:
             raise ConfigurationError(f"placement.sampler_replicas={self.sampler_replicas}: replicas are Ray actors "
                                      "(placement.kind='ray'); a local engine has one backend")
-        if not isinstance(self.replica_resources, dict) or not all(
-                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
-                for k, v in self.replica_resources.items()):
-            raise ConfigurationError(f"placement.replica_resources={self.replica_resources!r}: must map resource "
-                                     "names to amounts >= 0")
+        for name in ("replica_resources", "trainer_resources"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
+                    for k, v in value.items()):
+                raise ConfigurationError(f"placement.{name}={value!r}: must map resource names to amounts >= 0")
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ConfigurationError(f"placement.address={self.address!r}: must be a Ray address or None")
         _positive("placement.max_replacements", self.max_replacements, integer=True, zero_ok=True)

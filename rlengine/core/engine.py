@@ -80,6 +80,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._given_backend = backend
         self._trainer = trainer
+        self._given_trainer = trainer
         self._backend: Backend | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -211,7 +212,16 @@ class Engine:
         """The trainer, created on first use (call it on the compute thread: from a
         blocking item's ``run``, as ``TrainingClient`` does)."""
         if self._trainer is None:
-            self._trainer = load(SPECS[self._spec_name].trainer)(self.config, self.model_path)
+            if self.config.placement.trainer_workers > 1:
+                if SPECS[self._spec_name].trainer != SPECS["torch"].trainer:
+                    raise ConfigurationError(f"placement.trainer_workers={self.config.placement.trainer_workers}: "
+                                             f"the sharded trainer is the torch trainer; backend "
+                                             f"{self._spec_name!r} trains with another")
+                from rlengine.core.ray_trainer import build as build_sharded  # imports Ray: only here
+
+                self._trainer = build_sharded(self.config, self.model_path)
+            else:
+                self._trainer = load(SPECS[self._spec_name].trainer)(self.config, self.model_path)
         return self._trainer
 
     def close(self, timeout: float | None = None) -> None:
@@ -270,6 +280,11 @@ class Engine:
             # Closing a broken backend must not block shutdown.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(compute.submit(asyncio.get_running_loop(), backend.close), timeout)
+        # A trainer this engine built with processes of its own (the sharded one) ends with it.
+        close_trainer = getattr(self._trainer, "close", None) if self._trainer is not self._given_trainer else None
+        if close_trainer is not None and compute.is_alive():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(compute.submit(asyncio.get_running_loop(), close_trainer), timeout)
         await asyncio.to_thread(compute.stop, timeout)
 
     def _finish_closed(self) -> None:

@@ -58,7 +58,7 @@ from rlengine.backends.weight_buckets import pack, unpack
 from rlengine.core.config import EngineConfig
 from rlengine.errors import ConfigurationError, EngineDeadError, ReplicaLost, WeightSyncError
 
-__all__ = ["ReplicaSet", "ReplicaWorker"]
+__all__ = ["PackedWeights", "ReplicaSet", "ReplicaWorker"]
 
 log = logging.getLogger("rlengine")
 
@@ -96,6 +96,15 @@ def _array(code: str, raw: bytes | None) -> array | None:
     out = array(code)
     out.frombytes(raw)
     return out
+
+
+class PackedWeights:
+    """Weights already packed into buckets in the object store (the sharded trainer's
+    ``sampler_weights``): ``ReplicaSet.load_weights`` hands the references on as they are."""
+
+    def __init__(self, refs: list[Any], nbytes: int) -> None:
+        self.refs = refs
+        self.nbytes = nbytes
 
 
 def _kill(actor: Any) -> None:
@@ -221,7 +230,8 @@ class ReplicaSet:
         self.version = 0
         self.replacements = 0
         self.last_sync: dict[str, float] = {}
-        """The last install's bytes, buckets and seconds (pack, put, load)."""
+        """The last install's bytes, buckets, whether they were packed here (1) or where they were
+        gathered (0: ``PackedWeights``) and seconds (pack, put, load)."""
         for _ in range(placement.sampler_replicas):
             self._spawn()
         first = self._start_all()
@@ -421,10 +431,16 @@ class ReplicaSet:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         started = time.perf_counter()
-        blobs = pack(named_tensors, self.placement.sync_bucket_bytes)
-        packed = time.perf_counter()
-        refs = [ray.put(blob) for blob in blobs]
-        put = time.perf_counter()
+        if isinstance(named_tensors, PackedWeights):  # packed where they were gathered: no copy here
+            refs = named_tensors.refs
+            nbytes = named_tensors.nbytes
+            packed = put = time.perf_counter()
+        else:
+            blobs = pack(named_tensors, self.placement.sync_bucket_bytes)
+            nbytes = sum(map(len, blobs))
+            packed = time.perf_counter()
+            refs = [ray.put(blob) for blob in blobs]
+            put = time.perf_counter()
         live = self._live()
         self._flush(live)
         calls = {r.actor.load_weights.remote(version, *refs): r for r in live}
@@ -436,13 +452,14 @@ class ReplicaSet:
             self._roll_back([r for r in live if r not in failed])
             raise WeightSyncError(
                 f"weight install of version {version}: replica(s) {sorted(r.index for r in failed)} failed or did "
-                f"not load {sum(map(len, blobs))} bytes within sync_timeout_s={self.placement.sync_timeout_s}; "
+                f"not load {nbytes} bytes within sync_timeout_s={self.placement.sync_timeout_s}; "
                 f"every replica is back on version {self.version} (the failed ones are replaced)")
         for replica in live:
             replica.version = version
         self._weights, self.version = refs, version
         done = time.perf_counter()
-        self.last_sync = {"bytes": float(sum(map(len, blobs))), "buckets": float(len(blobs)),
+        self.last_sync = {"bytes": float(nbytes), "buckets": float(len(refs)),
+                          "packed_here": float(not isinstance(named_tensors, PackedWeights)),
                           "pack_s": packed - started, "put_s": put - packed, "load_s": done - put,
                           "total_s": done - started}
 

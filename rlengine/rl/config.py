@@ -28,9 +28,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """Seeds the dataset order and every sampling seed (derived per group and attempt)."""
     backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
     placement: Literal["local", "ray"] = "local"
-    """Where sampling runs: in this process, or ``sampler_replicas`` Ray actors behind the one
-    engine (``rlengine.Placement``; the trainer stays in this process)."""
+    """Where the data plane runs: in this process, or Ray actors behind the one engine
+    (``rlengine.Placement``): ``sampler_replicas`` backends and, with ``trainer_workers`` > 1,
+    the torch trainer sharded under FSDP2 over that many workers."""
     sampler_replicas: int = 1
+    trainer_workers: int = 1
     reproducible: bool = True
     """A seed gives the same run whatever the timing: the torch backend samples batch-invariant
     (``engine_args["batch_invariant"]``), since a multi-turn or sandboxed run's batches form
@@ -172,7 +174,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         if self.placement not in ("local", "ray"):
             raise ConfigurationError(f"placement={self.placement!r}: must be 'local' or 'ray'")
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
-                     "sampler_replicas",
+                     "sampler_replicas", "trainer_workers",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
             check_integer(name, getattr(self, name), minimum=1)
         for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts",
@@ -268,8 +270,10 @@ CORRECTIONS = ("tis_cap", "mis_cap", "icepop_low", "icepop_high", "geo_mask_low"
 
 RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkpoints", "call_timeout_s",
                             "episode_timeout_s", "shutdown_grace_s", "target_reward", "wandb_project", "cache_dir",
-                            "dump_rollouts"})
-"""Settings a resumed run may change: they do not change what is sampled or trained."""
+                            "dump_rollouts", "placement", "sampler_replicas", "trainer_workers"})
+"""Settings a resumed run may change: they do not change what is sampled or trained (the
+placement moves the same computation: a different number of trainer workers sums each
+gradient in another order, a float rounding apart)."""
 
 
 def check_integer(name: str, value: object, minimum: int | None) -> None:

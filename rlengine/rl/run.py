@@ -160,7 +160,7 @@ def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     """The recipe's engine settings plus what the run needs: seed, drain policy, room for
     every sequence a step may have in flight, a close no longer than the grace period,
     batch-invariant sampling on the torch backend for a reproducible run, the run's
-    ``logprobs_mode`` and its placement (``placement``, ``sampler_replicas``)."""
+    ``logprobs_mode`` and its placement (``placement``, ``sampler_replicas``, ``trainer_workers``)."""
     in_flight = config.groups_per_batch * config.group_size * (config.max_steps_off_policy + 1)
     engine_args = base.engine_args
     if config.reproducible and resolve_backend(base) == "torch":
@@ -169,8 +169,9 @@ def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     if mode == "auto":
         mode = "processed" if resolve_backend(base) in ("torch", "vllm") else "raw"
     placement = base.placement
-    if config.placement != "local" or config.sampler_replicas != 1:
-        placement = msgspec.structs.replace(placement, kind=config.placement, sampler_replicas=config.sampler_replicas)
+    if config.placement != "local" or config.sampler_replicas != 1 or config.trainer_workers != 1:
+        placement = msgspec.structs.replace(placement, kind=config.placement, sampler_replicas=config.sampler_replicas,
+                                            trainer_workers=config.trainer_workers)
     return msgspec.structs.replace(base, seed=config.seed, drain_policy=config.drain_policy, placement=placement,
                                    close_timeout_s=min(base.close_timeout_s, config.shutdown_grace_s),
                                    max_num_seqs=max(base.max_num_seqs, in_flight), engine_args=engine_args,

@@ -23,14 +23,6 @@ ray = pytest.importorskip("ray")
 WAIT = 120.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    """A local Ray cluster of 4 CPUs for this module (started by the test, as a user would)."""
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def ray_config(replicas: int = 2, **placement) -> dict:
     return {"placement": rle.Placement(kind="ray", sampler_replicas=replicas, **placement)}
 
@@ -200,7 +192,7 @@ def test_a_failed_weight_sync_fails_the_install_typed_and_leaves_one_version_eve
 @pytest.mark.slow
 def test_the_copy_recipe_learns_with_two_sampler_replicas(tmp_path, model_cache):
     """The RL loop unchanged, its sampling on two replica actors: the reward rises as it does in
-    one process (tests/rl/test_rl_learning.py), and both replicas sampled."""
+    one process (tests/rl/test_rl_learning.py)."""
     from rlengine.rl.metrics import read_jsonl
     from rlengine.rl.run import train
 
