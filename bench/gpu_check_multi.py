@@ -32,12 +32,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import ray
+import torch
 
-import rlengine as rle  # noqa: E402
-from rlengine.backends.torch.models import build_tiny  # noqa: E402
+import rlengine as rle
+from rlengine.backends.torch.models import build_tiny
 
 QWEN2_05B = {"vocab_size": 151936, "hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
              "intermediate_size": 4864, "max_position_embeddings": 4096, "tie_word_embeddings": True,
@@ -118,7 +118,7 @@ def copy_steps_per_s(replicas: list[int], workers: int, gpu: bool, quick: bool, 
             outcome = train("copy", {"steps": "6" if quick else "20", "eval_every": "0", "checkpoint_every": "0",
                                      "backend": "torch", "cache_dir": cache, "placement": "ray",
                                      "sampler_replicas": str(n), "trainer_workers": str(workers)},
-                            run_dir=run_dir, on_step=lambda _: stamps.append(time.perf_counter()))
+                            run_dir=run_dir, on_step=lambda _, at=stamps: at.append(time.perf_counter()))
         if outcome.error is not None:
             raise outcome.error
         out[f"replicas_{n}_steps_per_s"] = (len(stamps) - 2) / (stamps[-1] - stamps[1])

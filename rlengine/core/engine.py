@@ -196,7 +196,11 @@ class Engine:
             if self._given_backend is not None:
                 raise ConfigurationError("placement.kind='ray': the replicas build their own backends "
                                          "(Engine(backend=...) is for placement 'local')")
-            from rlengine.core.ray_replicas import build as build_replicas  # imports Ray: only here
+            try:
+                from rlengine.core.ray_replicas import build as build_replicas  # imports Ray: only here
+            except ImportError as exc:
+                raise ConfigurationError(f"placement.kind='ray' needs Ray ({exc}): pip install 'rlengine[ray]'") \
+                    from None
 
             backend = build_replicas(self.config, self.model_path, self._spec_name)
         else:

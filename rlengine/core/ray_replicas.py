@@ -185,7 +185,7 @@ class ReplicaWorker:
 class _Replica:
     """The driver's record of one replica actor."""
 
-    __slots__ = ("aborts", "actor", "adds", "call", "index", "inflight", "load", "pid", "state", "version")
+    __slots__ = ("aborts", "actor", "adds", "call", "index", "inflight", "load", "pid", "started", "state", "version")
 
     def __init__(self, index: int, actor: Any) -> None:
         self.index = index
@@ -201,6 +201,8 @@ class _Replica:
         self.inflight: set[str] = set()
         self.pid = 0
         self.version = 0
+        self.started = time.monotonic()
+        """When start-up began: a replica not live within ``start_timeout_s`` is lost."""
 
 
 class ReplicaSet:
@@ -299,6 +301,8 @@ class ReplicaSet:
                 continue
             done, _ = ray.wait([replica.load], timeout=0)
             if not done:
+                if time.monotonic() - replica.started > self.placement.start_timeout_s:
+                    self._lose(replica, f"not live within start_timeout_s={self.placement.start_timeout_s}")
                 continue
             try:
                 answer = ray.get(replica.load)

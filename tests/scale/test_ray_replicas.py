@@ -205,3 +205,23 @@ def test_the_copy_recipe_learns_with_two_sampler_replicas(tmp_path, model_cache)
     first, last = float(np.mean(rewards[:5])), float(np.mean(rewards[-5:]))
     assert first < 0.2
     assert last >= first + 0.04 and last >= 2 * first, rewards
+
+
+def test_replicas_that_cannot_be_placed_fail_the_start_within_its_bound():
+    """Resources no node has (a GPU here): the engine does not wait forever for its replicas."""
+    cfg = rle.EngineConfig(backend="sim", **ray_config(replica_resources={"GPU": 1}, start_timeout_s=2.0))
+    started = time.monotonic()
+    with pytest.raises(rle.EngineDeadError, match="start_timeout_s=2.0"):
+        rle.Engine(cfg).start()
+    assert time.monotonic() - started < 60
+
+
+def test_ray_placement_without_ray_installed_is_a_configuration_error_naming_the_extra():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import rlengine as rle\n"
+            "try:\n"
+            "    rle.Engine(rle.EngineConfig(backend='sim', placement=rle.Placement(kind='ray'))).start()\n"
+            "except rle.ConfigurationError as exc:\n"
+            "    print('refused:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert "refused: placement.kind='ray' needs Ray" in out.stdout and "rlengine[ray]" in out.stdout
