@@ -14,6 +14,8 @@
 # `pip install --no-deps --no-build-isolation --no-index .`. Then it runs
 # bench/gpu_check.py from outside the tree (so the installed package is what
 # runs), which builds a ~0.5B Qwen2 model locally and writes the figures.
+# bench/gpu_check_multi.sh runs bench/gpu_check_multi.py the same way
+# (RLENGINE_GPU_CHECK_SCRIPT, _NEEDS: more import:distribution pairs, _TIMEOUT).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -34,7 +36,7 @@ nvidia-smi -L || echo "gpu_check: nvidia-smi not found (no GPU: the figures will
 missing=()
 for pair in msgspec:msgspec numpy:numpy uvloop:uvloop safetensors:safetensors transformers:transformers \
             tokenizers:tokenizers jinja2:Jinja2 huggingface_hub:huggingface_hub setuptools:setuptools \
-            wheel:wheel Cython:Cython; do
+            wheel:wheel Cython:Cython ${RLENGINE_GPU_CHECK_NEEDS:-}; do
   if ! "$py" -c "import ${pair%%:*}" 2>/dev/null; then missing+=("${pair##*:}"); fi
 done
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -52,5 +54,5 @@ workdir="$(mktemp -d)"
 trap 'rm -rf "$workdir"' EXIT
 cd "$workdir"
 "$py" -c "import rlengine, sys; assert not rlengine.__file__.startswith('$repo/rlengine'), rlengine.__file__; print('gpu_check: rlengine from', rlengine.__file__)"
-timeout 420 "$py" "$here/gpu_check.py" --out "$out_json" "$@"
+timeout "${RLENGINE_GPU_CHECK_TIMEOUT:-420}" "$py" "$here/${RLENGINE_GPU_CHECK_SCRIPT:-gpu_check.py}" --out "$out_json" "$@"
 echo "gpu_check: figures in $out_json"

@@ -1,57 +1,17 @@
 #!/usr/bin/env bash
 # Multi-GPU check of the scale-out placement (Ray actors: FSDP2 trainer workers and
-# sampler replicas): one command, no network, under 9 minutes.
+# sampler replicas) on one node with two or more NVIDIA GPUs: one command, no
+# network, under 9 minutes.
 #
 #   bash bench/gpu_check_multi.sh [OUT_JSON [gpu_check_multi.py options]]
 #
-# OUT_JSON defaults to $OUT/gpu_check_multi.json, else ./gpu_check_multi.json; `--quick`
-# (a tiny model, small workloads) checks the script itself on a CPU.
-#
-# Expects two or more NVIDIA GPUs on one node, Python 3.12 and a CUDA build of PyTorch already
-# installed. Installs rlengine from this source tree without downloading
-# anything: Python packages it lacks come from the wheel folder
-# $RLENGINE_WHEELS (default: bench/wheels next to this script), then
-# `pip install --no-deps --no-build-isolation --no-index .`. Then it runs
-# bench/gpu_check_multi.py from outside the tree (so the installed package is what
-# runs), which builds a ~0.5B Qwen2 model locally, starts a local Ray cluster on
-# every GPU and writes the figures.
+# OUT_JSON defaults to $OUT/gpu_check_multi.json, else ./gpu_check_multi.json;
+# `--quick` (the tiny model, 2 workers and 2 replicas on the CPU) checks the script
+# itself. Installs rlengine as bench/gpu_check.sh does (Ray too, from the wheel
+# folder, where missing) and runs bench/gpu_check_multi.py from outside the tree.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-repo="$(cd "$here/.." && pwd)"
 out_json="${1:-${OUT:-$PWD}/gpu_check_multi.json}"
 shift || true
-out_json="$(cd "$(dirname "$out_json")" && pwd)/$(basename "$out_json")"
-wheels="${RLENGINE_WHEELS:-$here/wheels}"
-py="${PYTHON:-python3}"
-
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_NO_INDEX=1
-export PYTHONUNBUFFERED=1
-
-echo "gpu_check: $("$py" --version) at $(command -v "$py")"
-nvidia-smi -L || echo "gpu_check: nvidia-smi not found (no GPU: the figures will be CPU figures)"
-"$py" -c "import torch; print('gpu_check: torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-
-# Runtime and build requirements: import name -> distribution name.
-missing=()
-for pair in msgspec:msgspec numpy:numpy uvloop:uvloop safetensors:safetensors transformers:transformers \
-            tokenizers:tokenizers jinja2:Jinja2 huggingface_hub:huggingface_hub setuptools:setuptools \
-            wheel:wheel Cython:Cython ray:ray; do
-  if ! "$py" -c "import ${pair%%:*}" 2>/dev/null; then missing+=("${pair##*:}"); fi
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "gpu_check: installing from $wheels: ${missing[*]}"
-  if [ ! -d "$wheels" ]; then
-    echo "gpu_check: missing packages (${missing[*]}) and no wheel folder at $wheels (set RLENGINE_WHEELS)" >&2
-    exit 2
-  fi
-  "$py" -m pip install --no-index --find-links "$wheels" "${missing[@]}"
-fi
-
-"$py" -m pip install --no-deps --no-build-isolation --no-index "$repo"
-
-workdir="$(mktemp -d)"
-trap 'rm -rf "$workdir"' EXIT
-cd "$workdir"
-"$py" -c "import rlengine, sys; assert not rlengine.__file__.startswith('$repo/rlengine'), rlengine.__file__; print('gpu_check: rlengine from', rlengine.__file__)"
-timeout 540 "$py" "$here/gpu_check_multi.py" --out "$out_json" "$@"
-echo "gpu_check: figures in $out_json"
+RLENGINE_GPU_CHECK_SCRIPT=gpu_check_multi.py RLENGINE_GPU_CHECK_NEEDS="ray:ray" RLENGINE_GPU_CHECK_TIMEOUT=540 \
+    exec bash "$here/gpu_check.sh" "$out_json" "$@"

@@ -20,7 +20,7 @@ micro-batches (or none) cannot deadlock:
   accumulated gradients, summed (``set_force_sum_reduction_for_comms``,
   divide factor 1: Tinker's losses are sums over datums, so the sharded
   gradient is the single-process one);
-* ``optim_step`` reduces the squared gradient norm once (a DTensor norm);
+* ``optim_step`` (the torch trainer's) reduces the gradient norm once (a DTensor norm);
   ``sampler_weights`` and ``gradients`` gather each full tensor on every rank.
 
 State goes through torch's distributed checkpoint with the Hugging Face
@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from rlengine.backends.torch.runtime import engine_args, pick_device, torch_dtype
 from rlengine.errors import InvalidRequest
 from rlengine.trainer.torch_trainer import _MODEL_FILES, TorchTrainer
-from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse
+from rlengine.types import AdamParams, Datum, ForwardBackwardOutput
 
 __all__ = ["ShardTrainer", "build_shard"]
 
@@ -113,18 +113,10 @@ class ShardTrainer(TorchTrainer):
             self._reshard()
         return out
 
-    def optim_step(self, params: AdamParams) -> OptimStepResponse:
-        for group in self.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-                         weight_decay=params.weight_decay)
-        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
-        total = _full(torch.nn.utils.get_total_norm(grads)) if grads else None
-        norm = float(total) if total is not None else 0.0
-        if params.grad_clip_norm > 0 and total is not None:
-            torch.nn.utils.clip_grads_with_norm_(self.named_params.values(), params.grad_clip_norm, total)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return OptimStepResponse(metrics={"grad_norm": norm, "learning_rate": params.learning_rate})
+    def _grad_norm(self) -> torch.Tensor | None:
+        """The global norm over every rank's gradient shards (one all-reduce)."""
+        total = super()._grad_norm()
+        return None if total is None else _full(total)
 
     def sampler_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter in full (gathered on every rank)."""

@@ -319,14 +319,18 @@ class TorchTrainer:
         for group in self.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
-        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads) if grads else None
+        total = self._grad_norm()
         norm = float(total) if total is not None else 0.0
         if params.grad_clip_norm > 0 and total is not None:
             torch.nn.utils.clip_grads_with_norm_(self.named_params.values(), params.grad_clip_norm, total)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return OptimStepResponse(metrics={"grad_norm": norm, "learning_rate": params.learning_rate})
+
+    def _grad_norm(self) -> torch.Tensor | None:
+        """The global L2 norm of the accumulated gradients (None: none)."""
+        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else None
 
     def sampler_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(name, p.detach()) for name, p in self.named_params.items()]
