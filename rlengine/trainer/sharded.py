@@ -35,7 +35,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from rlengine.backends.torch.runtime import engine_args, pick_device, torch_dtype
 from rlengine.errors import InvalidRequest
-from rlengine.trainer.torch_trainer import _MODEL_FILES, TorchTrainer
+from rlengine.trainer.torch_trainer import TorchTrainer
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput
 
 __all__ = ["ShardTrainer", "build_shard"]
@@ -165,11 +164,7 @@ class ShardTrainer(TorchTrainer):
             dcp.save(self._optimizer_state(), storage_writer=HuggingFaceStorageWriter(
                 os.path.join(path, _OPTIMIZER_DIR), save_distributed=True, enable_consolidation=True))
         if self.rank == 0:
-            self.model.config.save_pretrained(path)
-            for name in _MODEL_FILES:
-                src = os.path.join(self.model_path, name)
-                if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
-                    shutil.copyfile(src, os.path.join(path, name))
+            self._write_model_files(path)
         dist.barrier()
         return path
 

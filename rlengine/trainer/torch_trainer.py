@@ -341,14 +341,19 @@ class TorchTrainer:
         os.makedirs(path, exist_ok=True)
         weights = {name: p.detach().contiguous().cpu() for name, p in self.named_params.items()}
         save_file(weights, os.path.join(path, _WEIGHTS_FILE), metadata={"format": "pt"})
+        self._write_model_files(path)
+        if include_optimizer:
+            self._save_optimizer(path)
+        return path
+
+    def _write_model_files(self, path: str) -> None:
+        """The model's config and tokenizer files into ``path``, beside its saved weights (so the
+        directory is itself a loadable model directory)."""
         self.model.config.save_pretrained(path)
         for name in _MODEL_FILES:
             src = os.path.join(self.model_path, name)
             if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
                 shutil.copyfile(src, os.path.join(path, name))
-        if include_optimizer:
-            self._save_optimizer(path)
-        return path
 
     def _save_optimizer(self, path: str) -> None:
         """The optimizer's state and the accumulated gradients, per parameter, into ``path``."""
