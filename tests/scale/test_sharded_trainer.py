@@ -226,8 +226,8 @@ def test_the_copy_recipe_learns_on_two_trainer_workers_and_two_sampler_replicas(
 def test_trainer_workers_that_cannot_be_placed_fail_training_within_its_bound(model_cache):
     cfg = rle.EngineConfig(model="tiny", backend="torch", cache_dir=model_cache,
                            placement=rle.Placement(kind="ray", trainer_workers=2, trainer_resources={"GPU": 1},
-                                                   start_timeout_s=20.0))
+                                                   start_timeout_s=40.0))
     with rle.Engine(cfg) as engine:
-        with pytest.raises(rle.TrainerLost, match="start_timeout_s=20.0"):
+        with pytest.raises(rle.TrainerLost, match="start_timeout_s=40.0"):
             engine.training_client().forward_backward([datum([1, 2, 3])], "cross_entropy").result(WAIT)
         assert engine.sample([1, 2], 1, rle.SamplingParams(max_tokens=2)).result(WAIT).sequences[0].tokens
