@@ -58,7 +58,7 @@ from rlengine.backends.weight_buckets import pack, unpack
 from rlengine.core.config import EngineConfig
 from rlengine.errors import ConfigurationError, EngineDeadError, ReplicaLost, WeightSyncError
 
-__all__ = ["PackedWeights", "ReplicaSet", "ReplicaWorker"]
+__all__ = ["PackedWeights", "ReplicaSet", "ReplicaWorker", "actor_options"]
 
 log = logging.getLogger("rlengine")
 
@@ -69,7 +69,7 @@ _STEPS_PER_CALL = 32
 _PINS = 65536
 """Affinities whose replica is remembered."""
 _CALL_TIMEOUT_S = 60.0
-"""Bound on a replica's small control calls (sleep, wake-up, describe)."""
+"""Bound on a replica's small control calls (sleep, wake-up, close, fault injection)."""
 
 _requests = msgspec.msgpack.Decoder(list[BackendRequest])
 _encode = msgspec.msgpack.Encoder()
@@ -105,6 +105,17 @@ class PackedWeights:
     def __init__(self, refs: list[Any], nbytes: int) -> None:
         self.refs = refs
         self.nbytes = nbytes
+
+
+def actor_options(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options for a placement's ``*_resources`` (``CPU`` / ``GPU`` and custom ones):
+    one call at a time, never restarted by Ray (the engine decides what a lost actor costs)."""
+    rest = dict(resources)
+    options: dict[str, Any] = {"num_cpus": rest.pop("CPU", 0), "num_gpus": rest.pop("GPU", 0), "max_restarts": 0,
+                               "max_concurrency": 1}
+    if rest:
+        options["resources"] = rest
+    return options
 
 
 def _kill(actor: Any) -> None:
@@ -174,10 +185,6 @@ class ReplicaWorker:
     def wake_up(self) -> None:
         self.backend.wake_up()
 
-    def describe(self) -> dict[str, Any]:
-        describe = getattr(self.backend, "describe", None)
-        return describe() if describe is not None else {}
-
     def close(self) -> None:
         self.backend.close()
 
@@ -217,12 +224,7 @@ class ReplicaSet:
         self._config_blob = msgspec.msgpack.encode(config)
         self._model_path = model_path
         self._spec_name = spec_name
-        resources = dict(placement.replica_resources)
-        options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0),
-                                   "max_restarts": 0, "max_concurrency": 1}
-        if resources:
-            options["resources"] = resources
-        self._actor_class = ray.remote(ReplicaWorker).options(**options)
+        self._actor_class = ray.remote(ReplicaWorker).options(**actor_options(placement.replica_resources))
         self._replicas: list[_Replica] = []
         self._where: dict[str, _Replica] = {}
         self._pins: OrderedDict[str, _Replica] = OrderedDict()
@@ -497,11 +499,6 @@ class ReplicaSet:
         return {"replicas": [{"index": r.index, "state": r.state, "pid": r.pid, "version": r.version,
                               "inflight": len(r.inflight) + len(r.adds)} for r in self._replicas],
                 "replacements": self.replacements, "version": self.version, "last_sync": dict(self.last_sync)}
-
-    def replica_of(self, request_id: str) -> int | None:
-        """The index of the replica running ``request_id`` (tests, diagnostics)."""
-        replica = self._where.get(request_id)
-        return None if replica is None else replica.index
 
     def inject_fault(self, index: int, method: str, kind: str) -> None:
         """Make replica ``index``'s next ``method`` (``run`` or ``load_weights``) raise, exit its

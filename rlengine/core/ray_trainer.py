@@ -29,6 +29,7 @@ checkpoint. Requests and outputs cross as msgpack bytes.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from typing import Any
 
@@ -37,7 +38,7 @@ import ray
 
 from rlengine.backends.weight_buckets import pack
 from rlengine.core.config import EngineConfig
-from rlengine.core.ray_replicas import PackedWeights
+from rlengine.core.ray_replicas import PackedWeights, actor_options
 from rlengine.errors import ConfigurationError, TrainerLost
 from rlengine.trainer.losses import LossSettings, as_settings
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse
@@ -70,9 +71,7 @@ class TrainerWorker:
 
     def join(self, init_method: str) -> int:
         """Load the model, join the group and shard it; returns this worker's pid."""
-        import os
-
-        from rlengine.trainer.sharded import build_shard
+        from rlengine.trainer.sharded import build_shard  # torch: in the worker only
 
         self.trainer = build_shard(self.config, self.model_path, rank=self.rank, world=self.world,
                                    init_method=init_method)
@@ -150,12 +149,7 @@ class ShardedTrainer:
         self.placement = placement
         self.world = placement.trainer_workers
         self._dead: TrainerLost | None = None
-        resources = dict(placement.trainer_resources)
-        options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0),
-                                   "max_restarts": 0, "max_concurrency": 1}
-        if resources:
-            options["resources"] = resources
-        actor = ray.remote(TrainerWorker).options(**options)
+        actor = ray.remote(TrainerWorker).options(**actor_options(placement.trainer_resources))
         blob = msgspec.msgpack.encode(config)
         self._workers = [actor.remote(blob, model_path, rank, self.world) for rank in range(self.world)]
         start = placement.start_timeout_s

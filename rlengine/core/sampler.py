@@ -213,13 +213,14 @@ class SamplerLoop:
             if max_tokens is None or max_tokens > room:
                 max_tokens = room if room > 0 else 1
             stream = stream_all or request.on_tokens is not None
+            affinity = request.session_id or rid  # a session, else this call's samples: one replica
             n = request.remaining = spec.num_samples
             if n == 1:
                 seed = rng.getrandbits(63) if base is None else derive_seed(base, 0)
                 seq = seqs[rid] = Sequence(request, 0, rid, seed)
                 request.seqs = [seq]
                 to_add.append(BackendRequest(rid, spec.prompt, params, seed, max_tokens, spec.prompt_logprobs, stream,
-                                             spec.prompt_top_logprobs, request.session_id or rid))
+                                             spec.prompt_top_logprobs, affinity))
             else:
                 request.seqs = []
                 for i in range(n):
@@ -229,7 +230,7 @@ class SamplerLoop:
                     seqs[seq.backend_id] = seq
                     to_add.append(BackendRequest(seq.backend_id, spec.prompt, params, seed, max_tokens,
                                                  spec.prompt_logprobs and i == 0, stream,
-                                                 spec.prompt_top_logprobs if i == 0 else 0, request.session_id or rid))
+                                                 spec.prompt_top_logprobs if i == 0 else 0, affinity))
             self.admitted += 1
 
     def _backend_request(self, seq: Sequence, prompt: bytes) -> BackendRequest:

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from sim_gradients import central_difference
 
 import rlengine as rle
 from rlengine.backends.base import BackendRequest
@@ -48,14 +49,7 @@ def test_gradient_matches_finite_differences(loss_fn):
     thresholds = clip_thresholds(loss_fn, None)
     trainer.forward_backward(data, loss_fn, thresholds)
     grad = trainer.grad.copy()
-    h = 1e-6
-    numeric = np.zeros(V)
-    for i in range(V):
-        for sign in (1, -1):
-            trainer.theta[i] += sign * h
-            numeric[i] += sign * total_loss(trainer, data, loss_fn, thresholds)
-            trainer.theta[i] -= sign * h
-    numeric /= 2 * h
+    numeric = central_difference(trainer.theta, lambda: total_loss(trainer, data, loss_fn, thresholds))
     if loss_fn == "cispo":
         # CISPO stops the gradient through the clipped ratio: compare with the
         # derivative of sum(-c * A * logp) holding c fixed at its current value.

@@ -32,17 +32,6 @@ TIMEOUT = 60.0
 
 
 @pytest.fixture(scope="module")
-def engine(engine_config):
-    with rle.Engine(engine_config("torch")) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tinker-errors-ckpt"))
-
-
-@pytest.fixture(scope="module")
 def server(engine, ckpt_dir):
     # no_auth: any key is accepted and is its caller's identity (KEY_A's sessions are not KEY_B's).
     srv = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=2, no_auth=True))

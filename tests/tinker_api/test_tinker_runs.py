@@ -16,7 +16,6 @@ import os
 import numpy as np
 import pytest
 
-import rlengine as rle
 from rlengine.tinker_api import TinkerServerConfig, start
 
 tinker = pytest.importorskip("tinker")
@@ -37,17 +36,6 @@ pytestmark = [
 WAIT = 120.0
 KEY_A, KEY_B = "tml-runs-a", "tml-runs-b"
 META = {"renderer_name": "role_colon", "purpose": "resume"}
-
-
-@pytest.fixture(scope="module")
-def engine(engine_config):
-    with rle.Engine(engine_config("torch")) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tinker-runs-ckpt"))
 
 
 @pytest.fixture(scope="module")
