@@ -23,6 +23,15 @@
   engine policy version of each sampled target token. Consecutive turns whose observation extends the previous
   context token for token share one datum; a turn that does not (the
   environment rewrote the context) starts a new one.
+* ``aggregation_weights`` is how one ``forward_backward`` call aggregates the
+  loss over its tokens (``TrainConfig.loss_aggregation``): a factor per
+  datum, known once the call's datums are (each substep, each streamed
+  minibatch is its own call), and ``weigh_datum`` puts it on the datum's
+  ``advantages`` and ``mask``. The losses sum over tokens (Tinker) and the
+  ratio losses (importance_sampling, ppo, cispo) are positively homogeneous
+  in the advantages, while the ``mask`` weighs the entropy bonus and the
+  reference KL token by token: scaling both scales every term of a token's
+  objective alike, so the peers' means come out of unchanged trainers.
 * ``is_stale`` is the staleness rule of ``max_steps_off_policy``.
 
 Pure functions over values; nothing here waits, samples or trains.
@@ -35,11 +44,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rlengine.errors import ConfigurationError
 from rlengine.rl.types import Trajectory, TrajectoryGroup
-from rlengine.types import Datum, LogprobTransform, ModelInput
+from rlengine.types import Datum, LogprobTransform, ModelInput, TensorData
 
-__all__ = ["GroupVerdict", "SampledDatum", "assess_group", "group_advantages", "is_stale", "overlong_penalty",
-           "trajectory_datums", "trajectory_overlong_penalty"]
+__all__ = ["GroupVerdict", "SampledDatum", "aggregation_weights", "assess_group", "group_advantages", "is_stale",
+           "overlong_penalty", "trajectory_datums", "trajectory_overlong_penalty", "weigh_datum"]
 
 
 class GroupVerdict(NamedTuple):
@@ -204,3 +214,43 @@ def trajectory_datums(trajectory: Trajectory, advantage: float, *, with_mask: bo
         if datum is not None:
             out.append(datum)
     return out
+
+
+def aggregation_weights(masks: Sequence[np.ndarray], aggregation: str, max_tokens: int) -> list[float] | None:
+    """Per datum of one ``forward_backward`` call (``masks``: each datum's sampled target tokens),
+    the factor that turns the losses' sum over tokens into ``aggregation``; None where it is the
+    sum itself (``sum``, and the old names ``token`` and ``sequence``: the latter divides each
+    trajectory's advantage at intake and leaves the ``mask`` alone).
+
+    With ``n_d`` the sampled tokens of datum ``d``, ``N`` their sum over the call and ``S`` the
+    call's datums that have any (a sequence: a datum with none trains nothing and is no sample):
+
+    * ``token_mean`` (DAPO; TRL ``dapo`` / ``bnpo``; verl ``token-mean``): ``1 / N``;
+    * ``seq_mean_token_mean`` (GRPO; TRL ``grpo``; verl ``seq-mean-token-mean``): ``1 / (n_d * S)``;
+    * ``seq_mean_token_sum_norm`` (Dr. GRPO; TRL ``dr_grpo``; verl ``seq-mean-token-sum-norm``):
+      ``1 / (max_tokens * S)``, the generation budget a constant in place of each length.
+    """
+    if aggregation in ("sum", "token", "sequence"):
+        return None
+    tokens = [int(np.count_nonzero(m > 0)) for m in masks]
+    sequences = sum(1 for n in tokens if n)
+    if not sequences:
+        return None  # no sampled token: nothing to weigh
+    if aggregation == "token_mean":
+        return [1.0 / sum(tokens)] * len(tokens)
+    if aggregation == "seq_mean_token_mean":
+        return [1.0 / (n * sequences) if n else 0.0 for n in tokens]
+    if aggregation == "seq_mean_token_sum_norm":
+        return [1.0 / (max_tokens * sequences)] * len(tokens)
+    raise ConfigurationError(f"loss_aggregation={aggregation!r}: not an aggregation")
+
+
+def weigh_datum(datum: Datum, weight: float) -> Datum:
+    """``datum`` with its ``advantages`` and (if it has one) ``mask`` times ``weight`` (> 0, or 0
+    for a datum without sampled tokens): every token's objective scaled alike."""
+    inputs = dict(datum.loss_fn_inputs)
+    for key in ("advantages", "mask"):
+        if key in inputs:
+            inputs[key] = TensorData.from_numpy((inputs[key].to_numpy().astype(np.float64) * weight)
+                                                .astype(np.float32))
+    return Datum(model_input=datum.model_input, loss_fn_inputs=inputs)

@@ -11,7 +11,9 @@ group's datums (``overlong_filtering`` leaves out, and counts, the attempts
 cut by the token limit). With ``num_minibatches > 1`` (streaming) each
 minibatch goes to ``forward_backward`` as soon as it is complete; ``submit`` queues
 the rest: one optimizer step, or ``num_substeps`` of them, each on a part
-of the batch. Outside streaming, the datums are put in group order first:
+of the batch. Each ``forward_backward``'s datums are weighted by the
+``loss_aggregation`` of that call (``advantages.aggregation_weights``) as it
+is issued. Outside streaming, the datums are put in group order first:
 groups arrive in the order their rollouts finish, and the training must not
 depend on timing. ``train_metrics`` and ``record`` make the step's metrics
 line; every group also leaves one ledger entry saying what became of it.
@@ -37,7 +39,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from rlengine.rl.advantages import assess_group, is_stale, trajectory_datums, trajectory_overlong_penalty
+from rlengine.rl.advantages import (
+    aggregation_weights,
+    assess_group,
+    is_stale,
+    trajectory_datums,
+    trajectory_overlong_penalty,
+    weigh_datum,
+)
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
 from rlengine.rl.metrics import reward_stats
@@ -175,7 +184,8 @@ class StepBatch:
         with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
         for i, advantage in zip(verdict.kept, verdict.advantages):
             trajectory = group.trajectories[i]
-            if cfg.loss_aggregation == "sequence":  # each trajectory weighs the same, whatever its length
+            if cfg.loss_aggregation == "sequence":
+                # The old mode, kept exactly for runs stored with it: per trajectory, not per call.
                 advantage /= max(1, trajectory.sampled_tokens)
             for j, (datum, mask, versions) in enumerate(trajectory_datums(trajectory, advantage,
                                                                            with_mask=with_mask)):
@@ -213,6 +223,14 @@ class StepBatch:
         return future
 
     def _forward_backward(self, idx: list[int]) -> None:
+        """One ``forward_backward`` over the datums ``idx``, weighted first by the call's
+        ``loss_aggregation`` (``advantages.aggregation_weights``): only now are a call's datums known.
+        The weighted datums replace the batch's, so a dump holds what the call received and a
+        replay weighs nothing twice."""
+        weights = aggregation_weights([self.masks[i] for i in idx], self.cfg.loss_aggregation, self.cfg.max_tokens)
+        if weights is not None:
+            for i, weight in zip(idx, weights):
+                self.datums[i] = weigh_datum(self.datums[i], weight)
         self._issue(ForwardBackwardCall(datums=idx, loss_fn=self.cfg.loss_fn, loss_fn_config=self.cfg.loss_fn_config()))
 
     def _submit_minibatch(self) -> None:
@@ -344,12 +362,20 @@ class StepBatch:
         (``rlengine.rl.mismatch``: KL k1 / k2 / k3, log-perplexity difference, importance ratios,
         per-token staleness).
 
+        ``loss_sum`` is the calls' losses as the trainer computed them, summed over the calls:
+        aggregated by ``loss_aggregation``, since the calls' datums carry its weights.
+        ``entropy_mean`` and ``kl_ref_mean`` are means under the same weights (their sums over
+        the ``mask`` inputs sent): the plain mean over tokens with ``sum``; with the other modes
+        the mean the objective takes, per call, averaged over the calls. ``grad_norm`` is the
+        mean over the step's optimizer steps of the gradient norm before clipping, and
+        ``grad_clipped_frac`` the share of them whose norm exceeded ``grad_clip_norm``.
+
         The mismatch is taken over the forward passes that ran before this
         step's first optimizer update (all of them without substeps): there,
         any difference between the two logprobs is sampler/trainer mismatch,
         not learning."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        loss = entropy = kl_ref = 0.0
+        loss = entropy = kl_ref = weight = 0.0
         tokens = 0
         corrected: Counter[str] = Counter()
         for n, (out, idx) in enumerate(outputs):
@@ -361,15 +387,17 @@ class StepBatch:
             for record, i in zip(out.loss_fn_outputs, idx):
                 mask = self.masks[i] > 0
                 tokens += int(mask.sum())
+                sent = self.datums[i].loss_fn_inputs.get("mask")
+                weight += float(mask.sum()) if sent is None else float(sent.to_numpy().sum())
                 if n < self.on_policy:
                     pairs.append((self.datums[i].loss_fn_inputs["logprobs"].to_numpy()[mask],
                                   record["logprobs"].to_numpy()[mask]))
         out: dict[str, float] = {"loss_sum": loss, "sampled_tokens_trained": tokens, **mismatch_metrics(pairs),
                                  **token_staleness(self.versions, self.updates)}
-        if self.cfg.entropy_coef and tokens:
-            out["entropy_mean"] = entropy / tokens
-        if self.cfg.kl_coef is not None and tokens:
-            out["kl_ref_mean"] = kl_ref / tokens  # the estimator's mean over the step's trained tokens
+        if self.cfg.entropy_coef and weight:
+            out["entropy_mean"] = entropy / weight
+        if self.cfg.kl_coef is not None and weight:
+            out["kl_ref_mean"] = kl_ref / weight  # the estimator's mean over the step's trained tokens
         if corrected["is_tokens"]:
             out["is_truncated_frac"] = corrected["is_truncated"] / corrected["is_tokens"]
             out["is_masked_frac"] = corrected["is_masked"] / corrected["is_tokens"]
@@ -378,6 +406,8 @@ class StepBatch:
                  if "grad_norm" in m]
         if norms:
             out["grad_norm"] = float(np.mean(norms))
+            clip = self.cfg.grad_clip_norm
+            out["grad_clipped_frac"] = float(np.mean([norm > clip for norm in norms])) if clip > 0 else 0.0
         return out
 
     def record(self, version: int, train_metrics: dict[str, float], *, wall: float, train_time_s: float,

@@ -67,10 +67,18 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     clip_high_threshold: float | None = None
     """None: the loss's default (ppo 1.2, cispo 4.0)."""
     entropy_coef: float = 0.0
-    loss_aggregation: Literal["token", "sequence"] = "token"
-    """How the loss weighs sampled tokens: ``token``, every token alike (the Tinker losses' sum
-    over tokens; DAPO's token-level aggregation), or ``sequence``, every trajectory alike (its
-    advantage divided by its number of sampled tokens: GRPO's per-sequence mean)."""
+    loss_aggregation: Literal["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token",
+                              "sequence"] = "sum"
+    """How each ``forward_backward`` call aggregates the loss over its sampled tokens (each
+    substep, each streamed minibatch is a call of its own), the entropy bonus and the reference
+    KL included: ``sum``, the Tinker losses' sum over tokens; ``token_mean``, that sum over the
+    call's tokens (DAPO; TRL ``dapo`` / ``bnpo``; verl ``token-mean``); ``seq_mean_token_mean``,
+    each datum's token mean averaged over the call's datums (GRPO; TRL ``grpo``; verl
+    ``seq-mean-token-mean``); ``seq_mean_token_sum_norm``, the sum over ``max_tokens`` times the
+    call's datums (Dr. GRPO; TRL ``dr_grpo``; verl ``seq-mean-token-sum-norm``). The run weighs
+    the datums it sends (``rlengine.rl.advantages.aggregation_weights``); the losses do not change.
+    Old names, kept so stored runs resume as they were: ``token`` is ``sum``; ``sequence`` divides
+    each trajectory's advantage by its sampled tokens (the entropy bonus and KL unweighted)."""
     dynamic_sampling_attempts: int = 0
     """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
     seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);
@@ -173,6 +181,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             check_integer("steps", self.steps, minimum=1)
         if self.placement not in ("local", "ray"):
             raise ConfigurationError(f"placement={self.placement!r}: must be 'local' or 'ray'")
+        aggregations = ("sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token", "sequence")
+        if self.loss_aggregation not in aggregations:
+            raise ConfigurationError(f"loss_aggregation={self.loss_aggregation!r}: must be one of "
+                                     f"{', '.join(aggregations)}")
         for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
                      "sampler_replicas", "trainer_workers",
                      "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
