@@ -18,6 +18,9 @@ alternating, medians taken (the machine is a noisy 2-vCPU VM):
   the tiny model's shape with 6 layers, for a GRPO group of 8 x (1,024
   shared prompt + 128 sampled tokens), target >= 3x, and for an 8-turn agent
   trace (one datum per turn, each extending the conversation), target >= 2x.
+* issue 29, the copy recipe's sampling step (256 sequences of 4 tokens on the
+  character model): batch-invariant over default (target <= 1.15x) and over
+  HF ``generate`` per generated token (target <= 1).
 * issue 19, on the tiny model's build with 6 layers: time to first token of
   turn 8 of an 8-turn session with and without prefix reuse (target >= 5x);
   prefill time of a group of 8 on one 1,024-token prompt with and without
@@ -276,14 +279,19 @@ def test_constrained_vs_free_decoding_per_token(benchmark, engine):
 
 # -- batch-invariant vs default decoding ----------------------------------------------------------
 
-BATCH_INVARIANT_TARGET_RATIO = 1.5
-"""What a reproducible run (``TrainConfig.reproducible``, on by default) may cost in decoding."""
+BATCH_INVARIANT_TARGET_RATIO = {8: 2.2, 32: 1.6}
+"""What batch invariance may cost in decoding the tiny model at batch 8 and 32. Every call has a
+fixed shape since issue 29 (a batch of 8 pads its attention to a whole call: 1.9x measured; the
+old design, which rested on one machine's kernel thresholds, measured 1.2-1.35x there and failed
+on AVX-512); the RL recipes' shapes are held to RECIPE_INVARIANT_TARGET_RATIO."""
+RECIPE_INVARIANT_TARGET_RATIO = 1.15
+"""What it may cost at the copy recipe's shapes (issue 29)."""
 
 
 def test_batch_invariant_vs_default_decoding_per_token(benchmark, engine):
-    """Batch-invariant decoding (fixed 16-row GEMM chunks, key spans in 64-position blocks)
-    against the default path, per generated token, at batch 8 and 32; 10 alternating pairs
-    per batch size, the median of the pairs' ratios."""
+    """Batch-invariant decoding (fixed row tiles and attention calls, ``invariant``) against the
+    default path, per generated token, at batch 8 and 32; 10 alternating pairs per batch size,
+    the median of the pairs' ratios."""
     backends = {False: TorchBackend(engine.model_path), True: TorchBackend(engine.model_path, batch_invariant=True)}
     pairs: dict[int, list[tuple[float, float]]] = {8: [], 32: []}
 
@@ -297,7 +305,7 @@ def test_batch_invariant_vs_default_decoding_per_token(benchmark, engine):
                 got.append((t[True], t[False]))
 
     benchmark.pedantic(run, rounds=1, iterations=1)
-    result: dict = {"target_ratio": BATCH_INVARIANT_TARGET_RATIO}
+    result: dict = {"target_ratio": {str(k): v for k, v in BATCH_INVARIANT_TARGET_RATIO.items()}}
     for batch, got in pairs.items():
         ratios = [i / d for i, d in got]
         result |= {f"batch{batch}_invariant_us_per_token": statistics.median(i for i, _ in got) * 1e6,
@@ -306,7 +314,84 @@ def test_batch_invariant_vs_default_decoding_per_token(benchmark, engine):
                    f"batch{batch}_pairs": [round(x, 3) for x in ratios]}
     r = _record(benchmark, result)
     for batch in pairs:
-        assert r[f"batch{batch}_ratio_invariant_over_default"] <= BATCH_INVARIANT_TARGET_RATIO, r
+        assert r[f"batch{batch}_ratio_invariant_over_default"] <= BATCH_INVARIANT_TARGET_RATIO[batch], r
+
+
+def _copy_batch(rng: np.random.Generator, tag: int) -> list:
+    """One step of the copy recipe's sampling: 32 prompts ("123=") x 8 samples of at most 4
+    tokens at temperature 1, processed logprobs, as the engine fans a group out."""
+    from rlengine.backends.base import BackendRequest
+    from rlengine.rl.recipes.copy_digits import encode
+
+    out = []
+    for g in range(32):
+        prompt = np.asarray(encode(f"{int(rng.integers(0, 1000)):03d}="), dtype=np.int32).tobytes()
+        for i in range(8):
+            out.append(BackendRequest(f"{tag}.{g}.{i}", prompt, rle.SamplingParams(
+                max_tokens=4, temperature=1.0, logprobs_mode="processed"), g * 8 + i, 4, stream=False))
+    return out
+
+
+def _sample_all(backend: TorchBackend, requests: list) -> float:
+    t0 = time.perf_counter()
+    for r in requests:
+        backend.add_request(r)
+    while backend.has_unfinished_requests():
+        backend.step()
+    return time.perf_counter() - t0
+
+
+def _hf_generate_s(model, requests: list) -> float:
+    """HF ``generate`` on the same prompts (what TRL's GRPOTrainer samples with): sampled at
+    temperature 1, no top-k, 4 new tokens; the logprobs would cost TRL another forward."""
+    ids = torch.as_tensor(np.stack([np.frombuffer(r.prompt, dtype=np.int32) for r in requests]), dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                       max_new_tokens=4, min_new_tokens=4, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+def test_copy_recipe_sampling_reproducible_vs_default_vs_hf_generate(benchmark, cache):
+    """The copy recipe's sampling step (256 sequences of 4 tokens on the character model, the
+    backend alone): batch-invariant against the default path (target <= 1.15x) and against HF
+    ``generate`` on the same prompts, per generated token; 10 rounds, each runs all three in an
+    alternating order; medians of the per-round ratios."""
+    from transformers import AutoModelForCausalLM
+
+    from rlengine.backends.torch.models import prepare_char_model
+    from rlengine.rl.recipes.copy_digits import ALPHABET, END
+
+    path = prepare_char_model(ALPHABET, END, cache_dir=cache, seed=0, max_position_embeddings=64)
+    backends = {"invariant": TorchBackend(path, batch_invariant=True, processed=True),
+                "default": TorchBackend(path, processed=True)}
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    rng = np.random.default_rng(0)
+    rounds: list[dict[str, float]] = []
+
+    def run() -> None:
+        for tag in range(3):  # warm-up
+            for b in backends.values():
+                _sample_all(b, _copy_batch(rng, tag))
+            _hf_generate_s(hf, _copy_batch(rng, tag))
+        for k in range(10):
+            requests = _copy_batch(rng, 100 + k)
+            order = ["invariant", "default", "hf"] if k % 2 else ["hf", "default", "invariant"]
+            t = {name: _hf_generate_s(hf, requests) if name == "hf" else _sample_all(backends[name], requests)
+                 for name in order}
+            rounds.append(t)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    tokens = 256 * 4
+    result = {f"{name}_us_per_token": statistics.median(r[name] for r in rounds) / tokens * 1e6
+              for name in ("invariant", "default", "hf")}
+    result |= {"ratio_invariant_over_default": statistics.median(r["invariant"] / r["default"] for r in rounds),
+               "ratio_invariant_over_hf_generate": statistics.median(r["invariant"] / r["hf"] for r in rounds),
+               "pairs_invariant_over_default": [round(r["invariant"] / r["default"], 3) for r in rounds],
+               "target_ratio": RECIPE_INVARIANT_TARGET_RATIO}
+    r = _record(benchmark, result)
+    assert r["ratio_invariant_over_default"] <= RECIPE_INVARIANT_TARGET_RATIO, r
+    assert r["ratio_invariant_over_hf_generate"] <= 1.0, r
 
 
 # -- tree training (issue 19) ------------------------------------------------------------------

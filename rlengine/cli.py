@@ -26,8 +26,9 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def info() -> dict[str, Any]:
-    """Versions, backends (usable or why not), extensions, threads."""
+def info(kernels: bool = False) -> dict[str, Any]:
+    """Versions, backends (usable or why not), extensions, threads; with ``kernels`` also the
+    batch-invariant kernel check (``rlengine info`` asks for it; it imports torch)."""
     import rlengine
     from rlengine.backends import available
     from rlengine.core.config import continuous_sampling_from_env
@@ -44,7 +45,22 @@ def info() -> dict[str, Any]:
         "extensions": {"trie": _trie_implementation()},
         "continuous_sampling": continuous_sampling_from_env(),
         "torch_threads": _torch_threads(),
+        **({"batch_invariance": _batch_invariance()} if kernels else {}),
     }
+
+
+def _batch_invariance() -> dict[str, Any]:
+    """Batch-invariant mode's kernel check on this machine (the tiny model's shapes), at the
+    thread count the engine would use; needs torch."""
+    try:
+        import torch
+    except ImportError as exc:
+        return {"checked": False, "why": f"torch is not importable ({exc})"}
+    from rlengine.backends.torch.invariant import check_machine
+    from rlengine.backends.torch.runtime import configure_threads
+
+    configure_threads()
+    return {"checked": True, **check_machine(), "torch": torch.__version__}
 
 
 def _torch_threads() -> dict[str, Any]:
@@ -98,6 +114,15 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"continuous sampling: {'on' if data['continuous_sampling'] else 'off (RLENGINE_CONTINUOUS_SAMPLING=0)'}")
     threads = data["torch_threads"]
     print(f"torch threads: {threads['threads']} ({threads['why']})")
+    check = data.get("batch_invariance")
+    if check is None:
+        return
+    if not check["checked"]:
+        print(f"batch-invariant kernels: not checked ({check['why']})")
+    else:
+        verdict = "ok" if check["ok"] else f"round by place in {', '.join(check['failed'])}"
+        print(f"batch-invariant kernels: {verdict} ({check['shapes_checked']} fixed shapes of the tiny model, "
+              f"CPU capability {check['cpu_capability']}, {check['threads']} thread(s))")
 
 
 def _bench_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -146,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "info":
-        data = info()
+        data = info(kernels=True)
         if args.json:
             print(json.dumps(data, indent=2))
         else:

@@ -19,6 +19,15 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The bitwise tests under adversarial kernels (tests/adversarial.py): set by
+    # tests/backends/test_invariance_matrix.py for its subprocesses.
+    if os.environ.get("RLENGINE_ADVERSARIAL_KERNELS") == "1":
+        import adversarial
+
+        adversarial.install()
+
+
 @pytest.fixture(scope="session")
 def model_cache(rlengine_model_cache: str) -> str:
     """A private rlengine cache directory for this test session (``EngineConfig.cache_dir``): the

@@ -34,6 +34,16 @@ def test_info_text(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "backends:" in out and "sim" in out
+    assert "batch-invariant kernels: ok (" in out and "fixed shapes of the tiny model" in out
+
+
+def test_info_reports_the_kernel_check_with_the_cpu_capability_in_force():
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    proc = subprocess.run([sys.executable, "-m", "rlengine.cli", "info", "--json"], check=False, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    check = json.loads(proc.stdout)["batch_invariance"]
+    assert check["checked"] and check["ok"] and check["cpu_capability"] == "DEFAULT", check
 
 
 def test_console_script_entry_point_runs():

@@ -46,6 +46,12 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     weight_install: bool = True
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""
+    batch_invariant: bool = False
+    """A sequence's tokens and logprobs are the same bits whatever shares its batches (the torch
+    backend's batch-invariant mode)."""
+    kernel_check: dict[str, Any] | None = None
+    """In batch-invariant mode, the start-up canary's outcome: whether this machine's kernels round
+    a row the same at every place of a fixed-shape call (``backends.torch.invariant.canary``)."""
 
 
 class BackendRequest(msgspec.Struct, gc=False):

@@ -40,6 +40,9 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 GROUPS_FILE = "groups.jsonl"
 CONFIG_FILE = "config.json"
+ENGINE_FILE = "engine.json"
+"""What ran the run: its backend and the backend's capabilities (batch invariance and the
+kernel check among them); written when the engine has started, again on each resume."""
 
 _encoder = msgspec.json.Encoder()
 

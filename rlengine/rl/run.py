@@ -48,6 +48,7 @@ from rlengine.rl.errors import CheckpointError
 from rlengine.rl.loop import TrainingRun
 from rlengine.rl.metrics import (
     CONFIG_FILE,
+    ENGINE_FILE,
     EVAL_FILE,
     GROUPS_FILE,
     METRICS_FILE,
@@ -247,6 +248,8 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
             async with Engine(engine_config) as engine, (
                     contextlib.nullcontext() if config.train_from is not None
                     else the_recipe.attach(engine, dataset, eval_dataset)):
+                replace_file(os.path.join(run_dir, ENGINE_FILE), msgspec.json.format(msgspec.json.encode(
+                    {"backend": engine.backend.name, "capabilities": engine.backend.capabilities})))
                 evaluated = [e["step"] for e in read_jsonl(os.path.join(run_dir, EVAL_FILE))] if resume else []
                 run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
                                   resume=checkpoint, on_step=on_step, on_eval=on_eval, evaluated=evaluated)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import rlengine as rle
 from rlengine.backends.base import BackendRequest
 from rlengine.backends.torch.backend import TorchBackend
-from rlengine.backends.torch.decoder import block_start
+from rlengine.backends.torch.invariant import block_start
 from rlengine.backends.torch.prefix_cache import PrefixCache, common_prefix
 from rlengine.backends.torch.runtime import engine_args
 from rlengine.errors import ConfigurationError
@@ -155,7 +155,7 @@ def assert_same(got: tuple, cold: tuple, bitwise: bool) -> None:
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-MODES = [pytest.param(False, id="default"), pytest.param(True, id="batch_invariant")]
+MODES = [pytest.param(False, id="default"), pytest.param(True, id="batch_invariant", marks=pytest.mark.bitwise)]
 
 
 @pytest.mark.parametrize("invariant", MODES)
@@ -186,7 +186,7 @@ def test_a_multi_turn_sessions_growing_prompt_reuses_its_kv_and_gets_cold_result
 @pytest.mark.parametrize("invariant", MODES)
 def test_a_group_sharing_a_prompt_prefills_it_once(tiny_model, invariant):
     """The engine fans num_samples out into requests with one prompt, arriving together: the
-    first is prefilled, the others over its KV in a second pass of the same step."""
+    prompt is prefilled once, its KV and last logits copied to the others."""
     warm = TorchBackend(tiny_model, batch_invariant=invariant)
     cold = TorchBackend(tiny_model, batch_invariant=invariant, prefix_cache_bytes=0)
     prompt = np.random.default_rng(1).integers(3, 1000, 150).tolist()
@@ -195,16 +195,32 @@ def test_a_group_sharing_a_prompt_prefills_it_once(tiny_model, invariant):
     expected = run(cold, group)
     for rid in expected:
         assert_same(got[rid], expected[rid], invariant)
-    assert warm.reused_tokens == 7 * 149
+    assert warm.reused_tokens == 7 * 150
     assert len({tuple(g[0]) for g in got.values()}) > 1  # the seeds differ, so do the samples
 
 
+@pytest.mark.parametrize("invariant", MODES)
+def test_joiners_sharing_a_long_prefix_prefill_it_once_and_the_rest_over_it(tiny_model, invariant):
+    """Prompts of one step that share a long prefix but differ after it (a group's turns after a
+    shared history): the first is prefilled and cached, the others in a second pass over its KV."""
+    warm = TorchBackend(tiny_model, batch_invariant=invariant)
+    cold = TorchBackend(tiny_model, batch_invariant=invariant, prefix_cache_bytes=0)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(3, 1000, 150).tolist()
+    group = [request(f"g{i}", shared + rng.integers(3, 1000, 1 + i).tolist(), 12, seed=i) for i in range(6)]
+    got, expected = run(warm, group), run(cold, group)
+    for rid in expected:
+        assert_same(got[rid], expected[rid], invariant)
+    assert warm.reused_tokens == 5 * 150
+
+
+@pytest.mark.bitwise
 @pytest.mark.parametrize("cached", [240, 241, 250, 255, 256, 257, 300, 319, 320, 383])
 def test_batch_invariant_reuse_resumes_inside_a_block_bitwise(tiny_model, cached):
     """Batch-invariant reuse resumes at the first uncached position, inside its canonical block
-    (small and large blocks; at a block's first row, its second, its middle and its last, where
-    the row before is recomputed so SDPA runs two rows): bitwise a cold prefill, for one request
-    alone and for several in one pass resuming at different rows of one block."""
+    (small and large blocks; at a block's first row, its second, its middle and its last):
+    bitwise a cold prefill, for one request alone and for several in one pass resuming at
+    different rows of one block (every row: ``test_invariant``)."""
     warm = TorchBackend(tiny_model, batch_invariant=True)
     cold = TorchBackend(tiny_model, batch_invariant=True, prefix_cache_bytes=0)
     rng = np.random.default_rng(cached)
@@ -315,7 +331,7 @@ def test_the_engine_fans_a_group_out_onto_one_prefill_and_installs_clear_the_cac
             resp = sampler.sample(prompt, 8, rle.SamplingParams(max_tokens=8, temperature=1.0, seed=7)).result(60)
             outs[budget] = [(s.tokens, s.logprobs) for s in resp.sequences]
             described = engine.backend.describe()
-            assert described["prefix_reused_tokens"] == (7 * 199 if budget else 0)
+            assert described["prefix_reused_tokens"] == (7 * 200 if budget else 0)
             if budget:
                 assert described["prefix_cache_bytes"] > 0
                 engine.training_client().save_weights_for_sampler().result(120)

@@ -22,7 +22,7 @@ from rlengine.backends.base import BackendRequest
 from rlengine.backends.torch.backend import TorchBackend
 from rlengine.backends.torch.models import build_tiny, load_tokenizer
 from rlengine.backends.torch.runtime import configure_threads
-from rlengine.backends.torch.sampling import StopText, sample_tokens
+from rlengine.backends.torch.sampling import StopText, sample_tokens, uniforms
 from rlengine.errors import ConfigurationError, InvalidRequest
 
 WAIT = 60.0
@@ -163,26 +163,38 @@ def test_sample_tokens_follows_the_reference_distribution(temperature, top_k, to
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 2
     ref = reference_filtered_probs(logits.numpy(), temperature, top_k, top_p)
     rows = logits.expand(draws, vocab)
-    gens = [torch.Generator().manual_seed(s) for s in range(draws)]
-    tokens, logprobs = sample_tokens(rows, gens, torch.full((draws,), temperature), torch.full((draws,), top_k),
-                                     torch.full((draws,), top_p))
+    seeds = list(range(draws))
+    tokens, logprobs = sample_tokens(rows, seeds, [3] * draws, torch.full((draws,), temperature),
+                                     torch.full((draws,), top_k), torch.full((draws,), top_p))
     counts = np.bincount(tokens.numpy(), minlength=vocab) / draws
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(ref))
     assert np.abs(counts - ref).max() < 0.015
     np.testing.assert_allclose(logprobs.numpy(), logits.log_softmax(-1)[tokens].numpy(), atol=1e-6)
-    # Exactly the inverse CDF of the reference at the generator's first uniform.
+    # Exactly the inverse CDF of the reference at the draw's uniform: in descending order for a
+    # filtered row, in vocabulary order for one without top-k or top-p.
+    u = uniforms(np.arange(20, dtype=np.uint64), np.full(20, 3))
+    order = np.argsort(-ref, kind="stable") if top_k < vocab or top_p < 1.0 else np.arange(vocab)
     for seed in range(20):
-        u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64).item()
-        order = np.argsort(-ref, kind="stable")
-        expected = order[np.searchsorted(np.cumsum(ref[order]), u * ref.sum())]
+        expected = order[np.searchsorted(np.cumsum(ref[order]), u[seed] * ref.sum())]
         assert tokens[seed].item() == expected
+
+
+def test_a_rows_draw_depends_on_its_own_seed_settings_and_counter_only():
+    """A plain row (vocabulary order) and a filtered one (sorted order) beside each other, or
+    each alone, or among others: the same token and logprob."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    settings = (torch.tensor([1.0, 0.7, 1.3]), torch.tensor([40, 5, 40]), torch.tensor([1.0, 1.0, 0.6]))
+    together = sample_tokens(logits, [11, 12, 13], [4, 0, 9], *settings, processed=[True, True, False])
+    for i in range(3):
+        alone = sample_tokens(logits[i:i + 1], [11 + i], [[4, 0, 9][i]], *(t[i:i + 1] for t in settings),
+                              processed=[[True, True, False][i]])
+        assert alone[0][0] == together[0][i] and alone[1][0] == together[1][i], i
 
 
 def test_greedy_rows_ignore_their_neighbours_and_take_the_argmax():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
-    gens = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
-    tokens, _ = sample_tokens(logits, gens, torch.tensor([1.0, 0.9, 1.0, 1.2]), torch.full((4,), 30),
-                              torch.full((4,), 1.0))
+    tokens, _ = sample_tokens(logits, [None, 1, None, 2], [0] * 4, torch.tensor([1.0, 0.9, 1.0, 1.2]),
+                              torch.full((4,), 30), torch.full((4,), 1.0))
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
 
@@ -345,22 +357,33 @@ def _run_with_neighbours(backend: TorchBackend, target: BackendRequest, rng: np.
     return tokens, logprobs, prompt_lps
 
 
+INVARIANT_TARGET = request("t", PROMPTS[1] * 7, 90, seed=11, temperature=1.0, prompt_logprobs=True)
+
+
+@pytest.mark.bitwise
 def test_batch_invariant_mode_gives_every_request_the_same_bits_whatever_shares_its_batches(tiny_model):
     """Multi-turn runs batch by timing: in batch-invariant mode a request's tokens, logprobs and
     prompt logprobs are bitwise those of a solo run, among any neighbours (more than one row
-    chunk, key spans past one block). (The default mode differs here in the last bits.)"""
-    target = request("t", PROMPTS[1] * 7, 90, seed=11, temperature=1.0, prompt_logprobs=True)
-    alone = _run_with_neighbours(TorchBackend(tiny_model, batch_invariant=True), target, None)
+    tile and attention call, key spans past one block). (The default mode differs here in the
+    last bits.)"""
+    alone = _run_with_neighbours(TorchBackend(tiny_model, batch_invariant=True), INVARIANT_TARGET, None)
     assert len(alone[0]) == 90 and len(alone[2]) == len(PROMPTS[1]) * 7 - 1
     backend = TorchBackend(tiny_model, batch_invariant=True)
     for trial in range(4):
-        crowded = _run_with_neighbours(backend, target, np.random.default_rng(trial))
+        crowded = _run_with_neighbours(backend, INVARIANT_TARGET, np.random.default_rng(trial))
         assert crowded[0] == alone[0], trial
         assert crowded[1] == alone[1], trial  # bitwise: == on floats
         assert crowded[2] == alone[2], trial
-    # The mode changes no numbers beyond rounding: it agrees with the default path.
-    default = _run_with_neighbours(TorchBackend(tiny_model), target, None)
+
+
+def test_batch_invariant_mode_changes_no_number_beyond_rounding(tiny_model):
+    """It computes what the default path computes, in another order: the same tokens, logprobs
+    within rounding."""
+    alone = _run_with_neighbours(TorchBackend(tiny_model, batch_invariant=True), INVARIANT_TARGET, None)
+    default = _run_with_neighbours(TorchBackend(tiny_model), INVARIANT_TARGET, None)
+    assert alone[0][:20] == default[0][:20]
     np.testing.assert_allclose(alone[1][:20], default[1][:20], atol=1e-5)
+    np.testing.assert_allclose(alone[2], default[2], atol=1e-5)
 
 
 def test_max_num_seqs_caps_the_running_batch(tiny_model):

@@ -10,6 +10,7 @@ to float precision).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import textwrap
@@ -304,6 +305,7 @@ def _untimed(path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in _TIMING} for row in read_jsonl(str(path))]
 
 
+@pytest.mark.bitwise
 def test_guess_runs_of_one_seed_are_identical_whatever_the_timing_and_across_a_resume(tmp_path, model_cache):
     """Sandboxes that wait a random time before each guess reorder the engine's batches in
     every run; the sampler (batch-invariant) and the trainer must not notice. Without
@@ -324,6 +326,9 @@ def test_guess_runs_of_one_seed_are_identical_whatever_the_timing_and_across_a_r
     runs["c"] = tmp_path / "c"
     want = _untimed(runs["a"] / "metrics.jsonl")
     assert [r["step"] for r in want] == [1, 2, 3, 4] and sum(r["groups_trained"] for r in want) > 0
+    # The run says what sampled it: batch-invariant, with this machine's kernels checked.
+    capabilities = json.loads((runs["a"] / "engine.json").read_text())["capabilities"]
+    assert capabilities["batch_invariant"] and capabilities["kernel_check"]["ok"], capabilities
     evals = read_jsonl(str(runs["a"] / "eval.jsonl"))
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert all(e["version_min"] == e["version_max"] == e["step"] for e in evals), evals  # policy k only

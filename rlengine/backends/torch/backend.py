@@ -14,8 +14,7 @@ Iteration-level scheduling, as vLLM does it:
 A streaming request (``BackendRequest.stream``) reports its new token every
 step; a non-streaming one reports once, when it finishes, with all its
 tokens. Sampling is per request (``sampling``): temperature (0 = greedy),
-top-k, top-p and a per-request ``torch.Generator`` seeded with the request's
-seed. The logprob of each token is the raw ``log_softmax``, what the trainer
+top-k, top-p and draws from the request's seed (``sampling.uniforms``). The logprob of each token is the raw ``log_softmax``, what the trainer
 computes; so are the prompt logprobs and the top k at each prompt position
 (``BackendRequest.prompt_top_logprobs``), from the prefill's own logits.
 Stop tokens are included in the output, as in vLLM and Tinker; stop strings
@@ -53,6 +52,7 @@ Compute thread only; it never touches engine state (see ``backends.base``).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -80,10 +80,15 @@ from rlengine.types import MAX_TOP_LOGPROBS
 
 __all__ = ["TorchBackend", "build"]
 
+log = logging.getLogger("rlengine")
+
 _LENGTH_HINT = 256
 _MIN_SHARED = 32
 """Tokens a joiner must share with an earlier joiner of its step (beyond what the prefix cache
 already holds) to wait for that one's KV: the second prefill pass this costs is worth it then."""
+_MIN_REUSE = 16
+"""The shortest cached prefix worth reusing: copying a few positions' KV in and resuming costs
+more than computing them (an RL recipe's short prompts never touch the cache)."""
 
 
 class _Seq:
@@ -92,7 +97,6 @@ class _Seq:
     __slots__ = (
         "constrained",
         "epoch",
-        "generator",
         "ids",
         "length",
         "logprobs",
@@ -105,6 +109,7 @@ class _Seq:
         "prompt_tops",
         "reported",
         "rid",
+        "seed",
         "stop_ids",
         "stop_text",
         "stream",
@@ -135,10 +140,8 @@ class _Seq:
         self.top_k = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
         self.top_p = float(p.top_p)
         self.processed = p.logprob_transform is not None
-        self.generator: torch.Generator | None = None
-        if self.temperature > 0.0:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(req.seed)
+        self.seed: int | None = req.seed if self.temperature > 0.0 else None
+        """The seed of this sequence's draws (``sampling.uniforms``); None: greedy."""
         self.stop_ids = (frozenset() if p.ignore_eos else eos) | frozenset(p.stop_token_ids)
         self.stop_text = StopText(tokenizer, p.stop_strings) if p.stop_strings else None
         self.constrained = constrained
@@ -200,6 +203,15 @@ class TorchBackend:
         self.tokenizer = self._load_tokenizer(model_path)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.runner = DecoderRunner(model, self.max_model_len, batch_invariant=batch_invariant)
+        kernel_check = None
+        if batch_invariant:
+            report = self.runner.check_kernels()
+            kernel_check = {**report.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "threads": self.threads}
+            if not report.ok:
+                log.warning("rlengine: batch-invariant mode: this machine's kernels round by place inside a "
+                            "fixed-shape call (%s); a sequence's last bits may follow its batch here",
+                            ", ".join(report.failed))
         self.prefix_cache = (PrefixCache(prefix_cache_bytes, self.runner.cache.bytes_per_token)
                              if prefix_cache_bytes else None)
         self.reused_tokens = 0
@@ -211,7 +223,8 @@ class TorchBackend:
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
                                          constraints=self.tokenizer is not None, top_logprobs=MAX_TOP_LOGPROBS,
                                          prompt_top_logprobs=MAX_TOP_LOGPROBS, weight_install=True, why_not_sleep=why,
-                                         logprobs_modes=("processed", "raw") if processed else ("raw", "processed"))
+                                         logprobs_modes=("processed", "raw") if processed else ("raw", "processed"),
+                                         batch_invariant=batch_invariant, kernel_check=kernel_check)
         # Every name a weight install may use (tied aliases included) and the
         # canonical parameter each one lands in.
         self._params = dict(model.named_parameters(remove_duplicate=False))
@@ -288,7 +301,7 @@ class TorchBackend:
             if running:
                 tokens = torch.as_tensor([s.tokens[-1] for s in running], device=self.device)
                 lengths = [s.length for s in running]
-                logits = self.runner.decode(tokens, torch.as_tensor(lengths, device=self.device), max(lengths))
+                logits = self.runner.decode(tokens, lengths)
                 for s in running:
                     s.length += 1
                 self._emit(running, 0, logits, [None] * len(running), outputs, finished)
@@ -325,18 +338,27 @@ class TorchBackend:
         """Prefill this step's joiners into slots ``first..``, reusing cached prefixes; returns them
         in slot order with their last positions' logits and their prompt logprobs.
 
-        A group's samples arrive together with one prompt: the first of them is prefilled in a
-        first pass and cached, and the ones that share at least ``_MIN_SHARED`` more tokens with
-        it than the cache held are prefilled in a second pass, over its KV."""
+        A group's samples arrive together with one prompt: it is prefilled once and its KV and
+        last logits copied to the others (the same numbers, computed once). Joiners that share at
+        least ``_MIN_SHARED`` more tokens with an earlier one than the cache held are prefilled in
+        a second pass, over its KV (cached after the first)."""
         cache = self.prefix_cache
         later: list[_Seq] = []
+        copies: list[tuple[_Seq, _Seq]] = []
         if cache is not None:
             leaders: list[_Seq] = []
+            originals: dict[bytes, _Seq] = {}
             for seq in joiners:
-                if seq.needs_whole_prompt:
+                key = seq.ids.tobytes()
+                original = None if seq.needs_whole_prompt else originals.get(key)
+                if original is not None:
+                    copies.append((seq, original))
+                    continue
+                originals.setdefault(key, seq)
+                limit = len(seq.prompt) - 1
+                if seq.needs_whole_prompt or limit < _MIN_REUSE:
                     leaders.append(seq)
                     continue
-                limit = len(seq.prompt) - 1
                 held = cache.match(seq.ids, limit)[0]
                 shared = max((common_prefix(seq.ids[:limit], other.ids) for other in leaders
                               if other.ids[0] == seq.ids[0]), default=0)
@@ -353,6 +375,19 @@ class TorchBackend:
             joiners = joiners + later
         else:
             self._cache_prompts(joiners, first)
+        if copies:
+            slot_of = {id(seq): first + i for i, seq in enumerate(joiners)}
+            at = first + len(joiners)
+            self.runner.cache.move([slot_of[id(original)] for _, original in copies],
+                                   list(range(at, at + len(copies))), max(len(seq.prompt) for seq, _ in copies))
+            for seq, _ in copies:
+                seq.length, seq.epoch = len(seq.prompt), self._epoch
+                self.reused_tokens += len(seq.prompt)
+            self._running.extend(seq for seq, _ in copies)
+            rows = torch.as_tensor([slot_of[id(original)] - first for _, original in copies], device=logits.device)
+            logits = torch.cat([logits, logits.index_select(0, rows)])
+            prompt_lps = prompt_lps + [None] * len(copies)
+            joiners = joiners + [seq for seq, _ in copies]
         return joiners, logits, prompt_lps
 
     def _prefill_pass(self, seqs: list[_Seq], first: int) -> tuple[torch.Tensor, list[list[float] | None]]:
@@ -360,8 +395,10 @@ class TorchBackend:
         jobs = []
         for seq in seqs:
             start, pieces = 0, []
-            if cache is not None and not seq.needs_whole_prompt:
+            if cache is not None and not seq.needs_whole_prompt and len(seq.prompt) > _MIN_REUSE:
                 start, pieces = cache.match(seq.ids, len(seq.prompt) - 1)
+                if start < _MIN_REUSE:
+                    start, pieces = 0, []
             seq.epoch = self._epoch
             self.reused_tokens += start
             jobs.append(PrefillJob(seq.prompt, start, pieces, seq.want_prompt_logprobs, seq.prompt_top))
@@ -379,6 +416,8 @@ class TorchBackend:
             self._cache_slot(first + i, seq.ids)
 
     def _cache_slot(self, slot: int, tokens: np.ndarray) -> None:
+        if tokens.shape[0] < _MIN_REUSE:
+            return  # no prefix of it would be reused
         read = self.runner.cache.read
         assert self.prefix_cache is not None
         self.prefix_cache.insert(tokens, lambda start, end: read(slot, start, end))
@@ -390,19 +429,21 @@ class TorchBackend:
         rows = [i for i, s in enumerate(seqs) if s.constrained is not None]
         if rows:
             mask_logits(logits, rows, [seqs[i].constrained for i in rows])  # type: ignore[misc]
-        generators = [s.generator for s in seqs]
-        if any(g is not None for g in generators):
+        seeds = [s.seed for s in seqs]
+        counters = [len(s.tokens) for s in seqs]
+        if any(seed is not None for seed in seeds):
             tokens, logprobs = sample_tokens(
-                logits, generators, temperature=torch.as_tensor([s.temperature or 1.0 for s in seqs], device=device),
+                logits, seeds, counters, temperature=torch.as_tensor([s.temperature or 1.0 for s in seqs],
+                                                                     device=device),
                 top_k=torch.as_tensor([s.top_k for s in seqs], device=device),
                 top_p=torch.as_tensor([s.top_p for s in seqs], device=device),
                 processed=[s.processed for s in seqs])
         else:
-            tokens, logprobs = sample_tokens(logits, generators)
+            tokens, logprobs = sample_tokens(logits, seeds, counters)
         top = max(s.top for s in seqs)
         if top:  # the alternatives, from the distribution the token was drawn from (masked if constrained)
             dist = logits.log_softmax(-1)
-            rows = [i for i, s in enumerate(seqs) if s.processed and s.generator is not None]
+            rows = [i for i, s in enumerate(seqs) if s.processed and s.seed is not None]
             if rows:  # processed logprobs: their alternatives are processed too
                 index = torch.as_tensor(rows, device=device)
                 dist = dist.index_copy(0, index, processed_log_softmax(
@@ -458,24 +499,30 @@ class TorchBackend:
         return out
 
     def _free_slots(self, slots: list[int]) -> None:
-        """Remove the sequences in ``slots``; the last live slot moves into each hole."""
+        """Remove the sequences in ``slots``; the last live slots move into the holes below them
+        (one copy for all)."""
+        if not slots:
+            return
         running = self._running
         # Batch-invariant mode keeps only prefilled KV: decode computes a position differently
         # from a prefill (decoder docstring).
         keep_generated = self.prefix_cache is not None and not self.runner.batch_invariant
-        for slot in sorted(slots, reverse=True):
+        gone = set(slots)
+        for slot in sorted(gone):
             seq = running[slot]
             self._active.discard(seq.rid)
             if keep_generated and seq.ok and seq.epoch == self._epoch:
                 # Its prompt and all but its last token (never fed back) are in its slot.
                 tokens = np.concatenate([seq.ids, np.asarray(seq.tokens, dtype=np.int32)])
                 self._cache_slot(slot, tokens[:seq.length])
-            last = len(running) - 1
-            if slot != last:
-                moved = running[last]
-                self.runner.cache.move(last, slot, moved.length)
-                running[slot] = moved
-            running.pop()
+        live = len(running) - len(gone)
+        holes = [slot for slot in sorted(gone) if slot < live]
+        movers = [slot for slot in range(live, len(running)) if slot not in gone]
+        if movers:
+            self.runner.cache.move(movers, holes, max(running[slot].length for slot in movers))
+            for src, dst in zip(movers, holes):
+                running[dst] = running[src]
+        del running[live:]
         if not running:
             self.runner.cache.release()
 

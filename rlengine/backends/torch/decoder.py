@@ -23,30 +23,25 @@ over its own cache:
 
 Batch invariance (``batch_invariant=True``): by default a sequence's logits
 depend, in the last bits, on what else shares its batch (CPU GEMM kernels
-pick their blocking, and with it the order of each dot product, from the
+pick their kernel, and with it the order of each dot product, from the
 number of rows; attention's reductions depend on the padded key span), so a
 multi-turn run whose batches form by timing cannot be reproduced from its
-seed. In this mode every row is computed the same way whatever its
-neighbours: projections and MLPs run on fixed chunks of ``_ROW_CHUNK`` rows
-(the last one zero-padded), decode attends over a key span rounded up to a
-multiple of ``_SPAN_BLOCK`` (masked keys add exact zeros), and prompts are
-prefilled in canonical blocks: position p is computed in the block
-``block_start(p)`` (16 positions below 256, 64 after), every row of a block
-attending over keys ``0..block end`` under one causal mask, with blocks of one
-start batched together. A position's K/V is then a function of the tokens up
-to it alone, whoever computed the positions before it, which is what lets
-the prefix cache reuse prefilled KV in this mode bitwise: a prefill resumes
-at its first uncached position, running the rest of that block's rows against
-the block's own key span and mask. A row of a block comes out the same
-whether the block runs whole or from a later row (SDPA over two or more
-query rows; its one-query path rounds differently, measured, so a resumed
-block runs at least ``_MIN_ROWS`` rows, recomputing the one before if need
-be: the same values). Decode computes its
-position differently (one query against a rounded span), so in this mode the
-backend caches only prefilled KV, never generated tokens'. Measured bitwise on
-CPU (``tests/backends/test_torch_backend.py``,
-``tests/backends/test_prefix_cache.py``); it costs speed (``bench/RESULTS.md``),
-so it is an option (``engine_args["batch_invariant"]``).
+seed. In this mode every kernel call has a fixed shape (``invariant``): a
+pass's rows are packed and run through the layers in fixed row tiles, and
+attention runs on items of one sequence's block of query rows (or one
+decoded position) against a key span that depends on its position alone.
+Prompts are prefilled in one pass over all their rows; position p belongs to
+the block ``block_start(p)`` (16 positions below 256, 64 after), whose rows
+attend over keys ``0..block end`` under one causal mask, so a position's K/V
+is a function of the tokens up to it alone, whoever computed the positions
+before it: that lets the prefix cache reuse prefilled KV in this mode
+bitwise, a prefill resuming at its first uncached position with the block's
+other rows as zero query rows. Decode computes its position differently (one
+query against a span rounded up to 64), so in this mode the backend caches
+only prefilled KV, never generated tokens'. Proven by the bitwise tests under
+adversarial kernels (``tests/adversarial.py``) at every CPU capability level;
+``DecoderRunner.canary`` checks the real kernels at start-up. It is an option
+(``engine_args["batch_invariant"]``; the RL runs turn it on).
 
 Masked cache positions must hold finite values (0 * NaN would poison the
 attention output), so buffers start zeroed and only ever receive computed
@@ -65,23 +60,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlengine.backends.torch.fused import FusedLayer
+from rlengine.backends.torch.invariant import (
+    SMALL_BLOCK,
+    Canary,
+    Plan,
+    Tiles,
+    attend,
+    block_end,
+    block_start,
+    canary,
+    in_tiles,
+    plan_decode,
+    plan_prefill,
+    span_end,
+)
 from rlengine.errors import ConfigurationError
 
-__all__ = ["DecoderRunner", "KVSlots", "PrefillJob", "block_start"]
+__all__ = ["DecoderRunner", "KVSlots", "PrefillJob"]
 
 _LOGIT_CHUNK = 1024
 """Positions per LM-head chunk for prompt logprobs: bounds the [n, vocab] logits held at once."""
-_ROW_CHUNK = 16
-"""Rows per projection call in batch-invariant mode (one GEMM shape for every row)."""
-_SPAN_BLOCK = 64
-"""Batch-invariant decode attends over a multiple of this many key positions."""
-_SMALL_BLOCK = 16
-_SMALL_SPAN = 256
-_BLOCK = 64
-"""Batch-invariant prefill blocks: ``_SMALL_BLOCK`` positions each below ``_SMALL_SPAN``
-(short prompts pad little), ``_BLOCK`` after (long ones take fewer passes)."""
-_MIN_ROWS = 2
-"""Fewest rows a resumed batch-invariant block runs (SDPA's one-query path rounds differently)."""
 
 
 class KVSlots:
@@ -125,10 +124,15 @@ class KVSlots:
         assert self.kv is not None
         return self.kv[2 * index], self.kv[2 * index + 1]
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot ``src``'s first ``length`` positions into slot ``dst``."""
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy slots ``src``' first ``length`` positions into slots ``dst`` (pairwise, one copy;
+        no slot both read and written)."""
         assert self.kv is not None
-        self.kv[:, dst, :, :length] = self.kv[:, src, :, :length]
+        if len(src) == 1:
+            self.kv[:, dst[0], :, :length] = self.kv[:, src[0], :, :length]
+        else:
+            index = torch.as_tensor(src, device=self.device)
+            self.kv[:, torch.as_tensor(dst, device=self.device), :, :length] = self.kv[:, index, :, :length]
 
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A copy of slot ``slot``'s positions ``start..end-1``: ``[2 * layers, kv_heads, n, head_dim]``."""
@@ -176,37 +180,8 @@ class PrefillJob:
         self.prompt_top = prompt_top
 
 
-def block_start(position: int) -> int:
-    """The start of the batch-invariant prefill block holding ``position``: blocks of
-    ``_SMALL_BLOCK`` positions up to ``_SMALL_SPAN``, of ``_BLOCK`` after."""
-    if position < _SMALL_SPAN:
-        return position - position % _SMALL_BLOCK
-    return position - (position - _SMALL_SPAN) % _BLOCK
-
-
-def _block_size(start: int) -> int:
-    return _SMALL_BLOCK if start < _SMALL_SPAN else _BLOCK
-
-
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
-
-
-def _in_row_chunks(fn: Any, x: torch.Tensor) -> torch.Tensor:
-    """``fn`` (a row-wise module: projection, MLP, LM head) over the rows of ``x`` [..., d] in
-    chunks of ``_ROW_CHUNK``, the last zero-padded: every row goes through one GEMM shape."""
-    lead, d = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, d)
-    n = rows.shape[0]
-    pad = -n % _ROW_CHUNK
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, d)])
-    out = torch.cat([fn(chunk) for chunk in rows.split(_ROW_CHUNK)])
-    return out[:n].reshape(*lead, out.shape[-1])
-
-
-def _direct(fn: Any, x: torch.Tensor) -> torch.Tensor:
-    return fn(x)
 
 
 def _rms_norm(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -231,8 +206,6 @@ class DecoderRunner:
     def __init__(self, model: Any, max_len: int, *, batch_invariant: bool = False) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
-        self._rows = _in_row_chunks if batch_invariant else _direct
-        """How a row-wise module (projection, MLP, LM head) is applied to a batch's rows."""
         try:
             inner = model.model
             self.embed = inner.embed_tokens
@@ -251,18 +224,57 @@ class DecoderRunner:
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         param = next(model.parameters())
         # Batch-invariant decode rounds its key span up to a whole block, past max_len if need be.
-        cache_len = _round_up(max_len, _SPAN_BLOCK) if batch_invariant else max_len
+        cache_len = span_end(max_len) if batch_invariant else max_len
         self.cache = KVSlots(len(self.layers), self.n_kv_heads, self.head_dim, cache_len, param.dtype, param.device)
         self.device = param.device
         # On the CPU, decode attention runs as two batched matmuls: SDPA's kernel costs more
         # per (sequence, head) than one query's worth of work (bench/RESULTS.md, issue 19).
         self._matmul_decode = self.device.type == "cpu"
+        self._fused = [FusedLayer(layer) for layer in self.layers]
+        """Each layer's q/k/v and gate/up projections as one GEMM each (the modules' parameters are
+        views into them)."""
+        self.tiles = Tiles.of(self._fused[0].row_flops(), 2 * cfg.hidden_size * self.lm_head.out_features,
+                              self.n_heads, self.n_kv_heads, self.head_dim)
+        """The fixed kernel shapes of batch-invariant mode (``invariant``)."""
+        self.views = True
+        """Batch-invariant attention reads consecutive cache slots in place (``check_kernels`` turns
+        it off where a view and a gathered copy round differently)."""
+        # Rotary cos/sin of every position, computed once: a position's values never depend on
+        # which other positions a pass holds.
+        with torch.inference_mode():
+            positions = torch.arange(cache_len, device=self.device)[None]
+            cos, sin = self.rotary(torch.zeros((), dtype=param.dtype, device=self.device), positions)
+        self._cos, self._sin = cos[0], sin[0]
+
+    def _rows(self, fn: Any, x: torch.Tensor) -> torch.Tensor:
+        """A row-wise module (projection, MLP) over a batch's rows: in fixed row tiles in
+        batch-invariant mode, else in one call."""
+        return in_tiles(fn, x, self.tiles.rows) if self.batch_invariant else fn(x)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits of ``hidden`` [n, hidden]."""
+        if self.batch_invariant:
+            return in_tiles(self.lm_head, hidden, self.tiles.head_rows).float()
+        return self.lm_head(hidden).float()
+
+    def check_kernels(self) -> Canary:
+        """``invariant.canary`` on every fixed shape this model's batch-invariant mode calls."""
+        tiles = self.tiles
+        linears = [(name, fn, width, tiles.rows) for name, fn, width in self._fused[0].row_calls()]
+        linears.append(("lm_head", self.lm_head, self.lm_head.in_features, tiles.head_rows))
+        # The first and the last block, prefilled and decoded.
+        last = self.cache.max_len
+        spans = sorted({(1, SMALL_BLOCK), (SMALL_BLOCK, SMALL_BLOCK), (1, last), (last - block_start(last - 1), last)})
+        with torch.inference_mode():
+            report = canary(linears, tiles, spans, self.cache.dtype, self.device)
+        self.views = report.views
+        return report
 
     def reserve(self, n_slots: int, length: int) -> None:
         """Make room for ``n_slots`` sequences of up to ``length`` tokens (a caller that knows how
         long its sequences may grow spares the cache regrowing, and a fresh cache its zero-fill)."""
         if self.batch_invariant:
-            length = _round_up(length + 1, _SPAN_BLOCK)  # what the last decode step attends over
+            length = span_end(length + 1)  # what the last decode step attends over
         self.cache.reserve(n_slots, min(length, self.cache.max_len))
 
     # -- the decoder layers ----------------------------------------------------------
@@ -272,14 +284,14 @@ class DecoderRunner:
         [B, kv_heads, L, head_dim] in the cache and returns the attention output [B, heads, L, head_dim]."""
         rows = self._rows
         b, n, _ = x.shape
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for index, layer in enumerate(self.layers):
+        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        for index, (layer, fused) in enumerate(zip(self.layers, self._fused)):
             attn = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)
-            q = rows(attn.q_proj, h).view(b, n, self.n_heads, self.head_dim)
-            k = rows(attn.k_proj, h).view(b, n, self.n_kv_heads, self.head_dim)
-            v = rows(attn.v_proj, h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = rows(fused.qkv, h).split([fused.q_width, fused.kv_width, fused.kv_width], -1)
+            q = q.view(b, n, self.n_heads, self.head_dim)
+            k = k.view(b, n, self.n_kv_heads, self.head_dim)
+            v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
             if self.qk_norm:
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
             # Rotary on the query and key heads at once (elementwise: the same numbers, fewer calls).
@@ -288,7 +300,7 @@ class DecoderRunner:
             q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
             out = attend(index, q, k, v)
             x = x + rows(attn.o_proj, out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
-            x = x + rows(layer.mlp, _rms_norm(layer.post_attention_layernorm, x))
+            x = x + rows(fused.mlp, _rms_norm(layer.post_attention_layernorm, x))
         return _rms_norm(self.norm, x)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -302,9 +314,6 @@ class DecoderRunner:
         return torch.zeros(visible.shape, dtype=self.cache.dtype, device=self.device).masked_fill_(
             ~visible, float("-inf"))
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
     # -- prefill ------------------------------------------------------------------------
 
     def prefill(self, jobs: list[PrefillJob], first_slot: int) -> tuple[torch.Tensor, list[list[float] | None],
@@ -316,14 +325,13 @@ class DecoderRunner:
         ``start`` positions' KV copied from its ``pieces`` and computes only the rest."""
         end = max(len(job.tokens) for job in jobs)
         if self.batch_invariant:
-            end = max(block_start(len(job.tokens) - 1) + _block_size(block_start(len(job.tokens) - 1))
-                      for job in jobs)
+            end = max(block_end(block_start(len(job.tokens) - 1)) for job in jobs)
         self.cache.reserve(first_slot + len(jobs), end)
         for i, job in enumerate(jobs):
             if job.start:
                 self.cache.write(first_slot + i, job.pieces, job.start)
         if self.batch_invariant:
-            hidden_last, prompt_hidden = self._prefill_blocks(jobs, first_slot)
+            hidden_last, prompt_hidden = self._prefill_invariant(jobs, first_slot)
         elif any(job.start for job in jobs):
             hidden_last, prompt_hidden = self._prefill_extend(jobs, first_slot)
         else:
@@ -339,7 +347,7 @@ class DecoderRunner:
             lps, top_lps, top_ids = self.target_logprobs(hidden, targets, job.prompt_top)
             prompt_logprobs.append(lps.tolist() if job.want_prompt_logprobs else None)
             prompt_tops.append(None if top_ids is None else (top_ids.flatten().tolist(), top_lps.flatten().tolist()))
-        return self._rows(self.lm_head, hidden_last).float(), prompt_logprobs, prompt_tops
+        return self._head(hidden_last), prompt_logprobs, prompt_tops
 
     @staticmethod
     def _wants_prompt(job: PrefillJob) -> bool:
@@ -412,60 +420,48 @@ class DecoderRunner:
         return last, [hidden[i, :len(job.tokens) - 1] if self._wants_prompt(job) else None
                       for i, job in enumerate(jobs)]
 
-    def _prefill_blocks(self, jobs: list[PrefillJob], first_slot: int) -> tuple[torch.Tensor, list[Any]]:
-        """Batch-invariant prefill: every position computed in its canonical block (``block_start``),
-        whatever came before it in the slot or shares the step; see the module docstring."""
-        lengths = [len(job.tokens) for job in jobs]
-        at = [block_start(job.start) for job in jobs]
-        last: list[torch.Tensor | None] = [None] * len(jobs)
-        kept: list[list[torch.Tensor] | None] = [[] if self._wants_prompt(job) else None for job in jobs]
-        while True:
-            pending = [i for i, a in enumerate(at) if a < lengths[i]]
-            if not pending:
-                break
-            a = min(at[i] for i in pending)
-            group = [i for i in pending if at[i] == a]
-            end = a + _block_size(a)
-            # Rows lo..hi-1 run: the whole block, or from the first uncached row of a resumed one
-            # to the last real row (at least _MIN_ROWS; rows before a job's start recompute its reused KV).
-            lo = min(max(jobs[i].start, a) for i in group)
-            hi = end
-            if lo > a:
-                hi = max(min(lengths[i], end) for i in group)
-                lo = min(lo, hi - _MIN_ROWS)
-            hidden = self._prefill_block([jobs[i].tokens[lo:hi] for i in group], [first_slot + i for i in group],
-                                         a, lo, hi)
-            for row, i in enumerate(group):
-                if end >= lengths[i]:
-                    last[i] = hidden[row, lengths[i] - 1 - lo]
-                rows_kept = kept[i]
-                if rows_kept is not None:  # prompt logprobs: start 0, so whole blocks (lo == a)
-                    rows_kept.append(hidden[row, :min(end, lengths[i]) - lo])
-                at[i] = end
-        return torch.stack(last), [None if rows is None else torch.cat(rows)[:lengths[i] - 1]  # type: ignore[arg-type]
-                                   for i, rows in enumerate(kept)]
+    def _prefill_invariant(self, jobs: list[PrefillJob], first_slot: int) -> tuple[torch.Tensor, list[Any]]:
+        """Batch-invariant prefill: every job's rows from its ``start`` in one pass, attention by
+        canonical blocks (``invariant.plan_prefill``)."""
+        plan, offsets = plan_prefill([(job.tokens, job.start, first_slot + i) for i, job in enumerate(jobs)],
+                                     self.tiles, self.cache.slot_cap, self.device)
+        hidden = self._run_plan(plan)
+        last = hidden[torch.as_tensor([at + len(job.tokens) - 1 - job.start for at, job in zip(offsets, jobs)],
+                                      device=self.device)]
+        # Prompt logprobs need the whole prompt run: start 0, so a job's rows are its positions.
+        return last, [hidden[at:at + len(job.tokens) - 1] if self._wants_prompt(job) else None
+                      for at, job in zip(offsets, jobs)]
 
-    def _prefill_block(self, tokens: list[list[int]], slots: list[int], a: int, lo: int, hi: int) -> torch.Tensor:
-        """The hidden states [len(slots), hi - lo, hidden] of rows ``lo..hi-1`` of the block
-        starting at ``a``, whose ``tokens`` (zero-padded to ``hi - lo``) go into ``slots``; the
-        positions before ``lo`` are in the slots. Every row attends over the block's key span."""
-        end = a + _block_size(a)
+    def _run_plan(self, plan: Plan) -> torch.Tensor:
+        """The final hidden states [n, hidden] of a batch-invariant pass's rows: the rows padded to
+        whole tiles, their K/V written to their slots, attention chunk by chunk."""
+        n = plan.n
+        padded = _round_up(n, self.tiles.rows)
+        ids = plan.tokens.new_zeros(padded)
+        ids[:n] = plan.tokens
+        positions = plan.positions.new_zeros(padded)
+        positions[:n] = plan.positions
         cache = self.cache
-        ids = self._padded([t + [0] * (hi - lo - len(t)) for t in tokens])
-        index = torch.as_tensor(slots, device=self.device)
-        positions = torch.arange(lo, hi, device=self.device).unsqueeze(0).expand(len(slots), hi - lo)
-        # The block's mask, the same for every row: key j is visible to the query at p iff j <= p.
-        mask = self._additive((torch.arange(end, device=self.device)[None, :]
-                               <= torch.arange(lo, hi, device=self.device)[:, None])[None, None])
+        d = self.head_dim
+        # Where each row's (kv head) K/V goes in a layer's buffer viewed as [positions, head_dim].
+        heads = torch.arange(self.n_kv_heads, device=self.device)
+        flat = ((plan.slots[:, None] * self.n_kv_heads + heads[None, :]) * cache.len_cap
+                + plan.positions[:, None]).reshape(-1)
+        # One query buffer (its row n stays zero: the rows a chunk does not compute) and one output
+        # buffer (rows past n stay zero) for every layer: each layer overwrites the real rows.
+        q_rows = torch.zeros((n + 1, self.n_heads, d), dtype=cache.dtype, device=self.device)
+        out = torch.zeros((padded, self.n_heads, d), dtype=cache.dtype, device=self.device)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend_plan(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             ck, cv = cache.layer(layer)
-            ck[index, :, lo:hi] = k
-            cv[index, :, lo:hi] = v
-            # Gathered copies: every block of a given start attends over tensors of one layout.
-            return self._sdpa(q, ck[:, :, :end].index_select(0, index), cv[:, :, :end].index_select(0, index), mask)
+            ck.view(-1, d).index_copy_(0, flat, k[0, :, :n].transpose(0, 1).reshape(-1, d))
+            cv.view(-1, d).index_copy_(0, flat, v[0, :, :n].transpose(0, 1).reshape(-1, d))
+            q_rows[:n] = q[0, :, :n].transpose(0, 1)
+            for chunk in plan.chunks:
+                attend(chunk, q_rows, ck, cv, self.scale, out, self.views)
+            return out.transpose(0, 1)[None]
 
-        return self._layers(self.embed(ids), positions, attend)
+        return self._layers(self.embed(ids)[None], positions[None], attend_plan)[0, :n]
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, top: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -473,7 +469,7 @@ class DecoderRunner:
         the k largest log_softmax values of each position and their token ids (else None, None)."""
         out, top_lps, top_ids = [], [], []
         for start in range(0, targets.shape[0], _LOGIT_CHUNK):
-            logits = self._logits(hidden[start:start + _LOGIT_CHUNK])
+            logits = self._head(hidden[start:start + _LOGIT_CHUNK])
             chunk = targets[start:start + _LOGIT_CHUNK]
             norm = logits.logsumexp(-1)
             out.append(logits.gather(-1, chunk[:, None]).squeeze(-1) - norm)
@@ -490,13 +486,19 @@ class DecoderRunner:
 
     # -- decode -------------------------------------------------------------------------
 
-    def decode(self, tokens: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """One token for each live slot ``0..S-1``: ``tokens[i]`` goes at position
-        ``lengths[i]``; ``max_length`` is ``max(lengths)``. Returns float32 logits [S, vocab]."""
+        ``lengths[i]``. Returns float32 logits [S, vocab]."""
         s = tokens.shape[0]
-        span = _round_up(max_length + 1, _SPAN_BLOCK) if self.batch_invariant else max_length + 1
+        if self.batch_invariant:
+            # Room for a whole attention call's slots: padding items then extend the real ones' view.
+            self.cache.reserve(_round_up(s, self.tiles.items_per_call(1, SMALL_BLOCK)), span_end(max(lengths) + 1))
+            plan = plan_decode(tokens, lengths, self.tiles, self.cache.slot_cap, self.device)
+            return self._head(self._run_plan(plan))
+        span = max(lengths) + 1
         self.cache.reserve(s, span)
         cache = self.cache
+        lengths = torch.as_tensor(lengths, device=self.device)
         g = self.n_heads // self.n_kv_heads
         visible = torch.arange(span, device=self.device)[None, :] <= lengths[:, None]
         # Where each (sequence, kv head) writes its new K/V in a layer's buffer viewed as [positions, head_dim].
@@ -522,4 +524,4 @@ class DecoderRunner:
             return torch.matmul(probs, values).view(s, self.n_heads, 1, self.head_dim)
 
         hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], attend)
-        return self._rows(self.lm_head, hidden[:, 0]).float()
+        return self._head(hidden[:, 0])

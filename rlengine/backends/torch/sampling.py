@@ -7,12 +7,14 @@ each row with its own temperature, top-k, top-p and random stream:
 * otherwise logits / temperature, then top-k, then top-p (nucleus: keep the
   most likely tokens until their mass reaches ``top_p``; the top token is
   always kept), renormalised, and one token drawn by inverting the CDF with
-  a uniform number from the request's own ``torch.Generator``.
+  a uniform number. A row with neither top-k nor top-p inverts the CDF in
+  vocabulary order (no sort is needed); a filtered row in descending order.
 
-Every sampled row takes exactly one uniform from its own generator per step,
-and the same sort-based path whatever its neighbours need, so a seed
-reproduces its tokens regardless of batch composition. The generators live
-on the CPU, so a seed means the same draws on every device.
+The uniform of a row is a pure function of its request's seed and the
+number of tokens it has generated (``uniforms``: splitmix64, the project's
+one mixer, ``rlengine.seeding``), and which of the two paths a row takes
+depends on its own settings alone, so a seed reproduces its tokens whatever
+shares the batch, on every device, without a generator object per request.
 
 The logprob returned for each token is ``log_softmax`` of the *raw* logits,
 not the tempered or filtered ones (what a trainer's plain forward pass
@@ -33,9 +35,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["StopText", "filter_sorted", "processed_log_softmax", "sample_tokens"]
+from rlengine.seeding import mix_array
+
+__all__ = ["StopText", "filter_sorted", "processed_log_softmax", "sample_tokens", "uniforms"]
 
 
 def filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -66,43 +71,69 @@ def processed_log_softmax(logits: torch.Tensor, temperature: torch.Tensor, top_k
     return scaled.masked_fill(~kept, float("-inf")).log_softmax(-1)
 
 
-def sample_tokens(logits: torch.Tensor, generators: list[torch.Generator | None],
+def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """The uniform in [0, 1) of draw ``counters[i]`` of the request seeded ``seeds[i]`` (float64,
+    53 random bits of splitmix64)."""
+    return (mix_array(seeds, counters) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index whose CDF reaches ``u`` times the row's mass: never a zero-probability
+    token (its CDF equals its predecessor's), and within range up to rounding."""
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[-1] - 1)
+
+
+def sample_tokens(logits: torch.Tensor, seeds: list[int | None], counters: list[int],
                   temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
                   top_p: torch.Tensor | None = None,
                   processed: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (raw, or processed where ``processed[i]``); see
     the module docstring.
 
-    ``generators[i]`` is None exactly for greedy rows (whose logprob is raw either way).
-    ``temperature``, ``top_k`` (vocab size when disabled) and ``top_p`` are per-row tensors
-    on ``logits``' device, needed only when some row samples.
+    ``seeds[i]`` is None exactly for greedy rows (whose logprob is raw either way);
+    ``counters[i]`` is the row's draw index (tokens it generated so far). ``temperature``,
+    ``top_k`` (vocab size when disabled) and ``top_p`` are per-row tensors on ``logits``'
+    device, needed only when some row samples.
     """
     logprobs_all = logits.log_softmax(-1)
     tokens = logits.argmax(-1)
-    sampled_rows = [i for i, g in enumerate(generators) if g is not None]
-    processed_lps = None
+    sampled_rows = [i for i, seed in enumerate(seeds) if seed is not None]
+    processed_at: list[torch.Tensor] = []
+    processed_lps: list[torch.Tensor] = []
     if sampled_rows:
         assert temperature is not None and top_k is not None and top_p is not None
-        rows = torch.as_tensor(sampled_rows, device=logits.device)
-        scaled = logits[rows] / temperature[rows, None]
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-        filtered = filter_sorted(sorted_logits, top_k[rows], top_p[rows])
-        probs = filtered.softmax(-1)
-        cdf = probs.cumsum(-1)
-        uniforms = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64)
-                                for i in sampled_rows]).to(device=logits.device, dtype=cdf.dtype)
-        # The first index whose CDF reaches u: never a zero-probability token
-        # (its CDF equals its predecessor's), and within range up to rounding.
-        picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[-1] - 1)
-        tokens = tokens.index_copy(0, rows, sorted_ids.gather(-1, picked).squeeze(-1))
-        if processed is not None and any(processed[i] for i in sampled_rows):
-            processed_lps = (rows, filtered.log_softmax(-1).gather(-1, picked).squeeze(-1))
+        device = logits.device
+        rows = torch.as_tensor(sampled_rows, device=device)
+        draws = torch.from_numpy(uniforms(np.asarray([seeds[i] for i in sampled_rows], dtype=np.uint64),
+                                          np.asarray([counters[i] for i in sampled_rows]))).to(device)
+        vocab = logits.shape[-1]
+        filtered = ((top_k[rows] < vocab) | (top_p[rows] < 1.0)).tolist()
+        for wanted in (False, True):
+            picks = [k for k, f in enumerate(filtered) if f == wanted]
+            if not picks:
+                continue
+            at = rows[picks] if len(picks) < len(sampled_rows) else rows
+            u = draws[picks] if len(picks) < len(sampled_rows) else draws
+            scaled = logits[at] / temperature[at, None]
+            if wanted:
+                sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+                kept = filter_sorted(sorted_logits, top_k[at], top_p[at])
+                picked = _invert(kept.softmax(-1), u)
+                chosen = sorted_ids.gather(-1, picked).squeeze(-1)
+            else:
+                kept = scaled
+                picked = _invert(scaled.softmax(-1), u)
+                chosen = picked.squeeze(-1)
+            tokens = tokens.index_copy(0, at, chosen)
+            if processed is not None and any(processed[int(i)] for i in at.tolist()):
+                processed_at.append(at)
+                processed_lps.append(kept.log_softmax(-1).gather(-1, picked).squeeze(-1))
     logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
-    if processed_lps is not None:
-        rows, lps = processed_lps
+    for at, lps in zip(processed_at, processed_lps):
         assert processed is not None
-        keep = torch.as_tensor([processed[i] for i in rows.tolist()], device=logits.device)
-        logprobs = logprobs.index_copy(0, rows, torch.where(keep, lps, logprobs[rows]))
+        keep = torch.as_tensor([processed[i] for i in at.tolist()], device=logits.device)
+        logprobs = logprobs.index_copy(0, at, torch.where(keep, lps, logprobs[at]))
     return tokens, logprobs
 
 

@@ -1,0 +1,69 @@
+"""The bitwise tests under adversarial kernels, at every CPU capability level and at 1 and 2 threads.
+
+Each cell is a subprocess (``ATEN_CPU_CAPABILITY`` must be set before torch is
+imported) running the tests marked ``bitwise`` with
+``RLENGINE_ADVERSARIAL_KERNELS=1`` (``tests/adversarial.py``: every GEMM and
+attention call perturbed by a function of its shape; the real kernels still
+run underneath, so their own rounding by shape, CPU and thread count is in
+play too) and ``RLENGINE_TORCH_THREADS`` set to the cell's thread count: the
+backend's bitwise tests in every cell, the whole seed-identical RL runs
+(tests/rl) in the default level's one-thread cell, which keeps the matrix
+within a few minutes. A level the CPU lacks falls back inside torch; such a
+cell asserts the fallback (to the best level this CPU has, which its own
+cell covers) rather than skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LEVELS = ("default", "avx2", "avx512")
+CELL_TIMEOUT_S = 900
+
+
+def _level_in_force(level: str) -> str:
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": level}, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout.strip().lower()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def _run_bitwise(level: str, threads: int, paths: list[str]) -> str:
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "RLENGINE_TORCH_THREADS": str(threads),
+           "RLENGINE_ADVERSARIAL_KERNELS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "bitwise", *paths],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CELL_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_bitwise_tests_hold_under_adversarial_kernels(level, threads):
+    in_force = _level_in_force(level)
+    if in_force != level:
+        # torch falls back to the best level the CPU has: only AVX-512 can be missing on x86.
+        assert level == "avx512" and "avx512f" not in _cpu_flags(), (level, in_force)
+        assert in_force == "avx2"
+        return
+    paths = ["tests/backends", "tests/rl"] if (level, threads) == ("default", 1) else ["tests/backends"]
+    out = _run_bitwise(level, threads, paths)
+    passed = int(re.search(r"(\d+) passed", out).group(1))
+    assert passed >= 15 and "failed" not in out, out[-2000:]
