@@ -69,7 +69,8 @@ def _torch_threads() -> dict[str, Any]:
     from rlengine.errors import ConfigurationError
 
     try:
-        threads, why = decide()
+        decision = decide()
+        threads, why = decision.threads, decision.why
     except ConfigurationError as exc:
         return {"threads": None, "why": str(exc)}
     return {"threads": "torch's default" if threads is None else threads, "why": why}

@@ -254,11 +254,11 @@ def build(config: Any, model_path: str | None) -> VLLMBackend:
     """Registry entry point: an in-process ``LLMEngine`` over ``model_path``."""
     import torch
 
-    from rlengine.backends.torch.runtime import configure_threads
+    from rlengine.backends.torch.runtime import configure_threads, threads_share
 
     # On the compute thread, before vLLM's CPU worker takes over torch's thread
     # setting: its model then runs with the thread count rlengine decided.
-    configure_threads()
+    configure_threads(threads_share(config))
     on_cuda = torch.cuda.is_available()
     _set_process_defaults(on_cuda)
     with _quiet_vllm():

@@ -5,8 +5,9 @@ every call returns a ``RequestFuture`` at once (``.result(timeout)`` in
 synchronous code, ``await`` in async code); the ``*_async`` variants are
 coroutines. Inputs are validated here, on the caller's thread, so a bad
 batch raises ``InvalidRequest`` before anything is queued. Training calls
-become blocking items of the engine's FIFO: they run in submission order
-with the sampler drained.
+run in submission order: as blocking items of the engine's FIFO with the
+sampler drained, or on the training lane beside sampling
+(``EngineConfig.train_concurrently``); weight installs always pass the gate.
 """
 
 from __future__ import annotations
@@ -100,21 +101,21 @@ class TrainingClient:
     def forward(self, data: list[Datum], loss_fn: str = "cross_entropy",
                 loss_fn_config: dict[str, Any] | None = None) -> RequestFuture[ForwardBackwardOutput]:
         data, thresholds = self._validated(data, loss_fn, loss_fn_config)
-        return self.engine.submit_blocking(
+        return self.engine.submit_training(
             "forward", lambda: self._trainer().forward(data, loss_fn, thresholds))
 
     def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy",
                          loss_fn_config: dict[str, Any] | None = None) -> RequestFuture[ForwardBackwardOutput]:
         """Accumulate gradients of ``loss_fn`` over ``data`` (until ``optim_step``)."""
         data, thresholds = self._validated(data, loss_fn, loss_fn_config)
-        return self.engine.submit_blocking(
+        return self.engine.submit_training(
             "forward_backward", lambda: self._trainer().forward_backward(data, loss_fn, thresholds))
 
     def optim_step(self, adam_params: AdamParams | None = None) -> RequestFuture[OptimStepResponse]:
         params = adam_params if adam_params is not None else AdamParams()
         if not isinstance(params, AdamParams):
             raise InvalidRequest("adam_params", type(params).__name__, "must be an AdamParams")
-        return self.engine.submit_blocking("optim_step", lambda: self._trainer().optim_step(params))
+        return self.engine.submit_training("optim_step", lambda: self._trainer().optim_step(params))
 
     def save_weights_for_sampler(self, name: str | None = None) -> RequestFuture[SaveWeightsForSamplerResponse]:
         """Install the trainer's weights into the sampler in-process as version + 1."""
@@ -134,7 +135,7 @@ class TrainingClient:
     def save_state(self, path: str, include_optimizer: bool = True) -> RequestFuture[SaveWeightsResponse]:
         """Save weights (and optimizer state) to the local directory ``path``."""
         path = _check_path("path", path)
-        return self.engine.submit_blocking(
+        return self.engine.submit_training(
             "save_state",
             lambda: SaveWeightsResponse(path=self._trainer().save_state(path, include_optimizer)))
 
@@ -143,7 +144,7 @@ class TrainingClient:
         path = _check_path("path", path)
         if not os.path.isdir(path):
             raise InvalidRequest("path", path, "is not a directory")
-        return self.engine.submit_blocking(
+        return self.engine.submit_training(
             "load_state",
             lambda: LoadWeightsResponse(path=self._trainer().load_state(path, include_optimizer)))
 

@@ -4,7 +4,8 @@ The loop thread is the control plane; this thread is the data plane. Every
 backend call and every piece of blocking work (forward_backward, weight
 install, ...) runs here, one job at a time, so GPU work is serialized by
 construction (what colocation needs) while the loop stays free for IPC,
-HTTP and new submissions. Results go back to the loop with
+HTTP and new submissions. (A trainer that shares no device with the sampler
+may run its calls on a second one, beside sampling: ``rlengine.core.training``.) Results go back to the loop with
 ``call_soon_threadsafe``; the thread never touches engine state.
 """
 

@@ -195,6 +195,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
     placement: Placement = msgspec.field(default_factory=Placement)
     """Where the backend runs: in this process (the default) or as Ray actor replicas (``Placement``)."""
+    train_concurrently: Literal["off", "on", "auto"] = "off"
+    """``on``: training calls (forward, forward_backward, optim_step, state save and load) run on a
+    thread of their own beside sampling (``rlengine.core.training``) instead of as blocking work with
+    the sampler drained; weight installs still pass the gate. For a trainer that shares no device
+    memory with the sampler: the CPU (``on`` with a CUDA sampler is refused). ``auto``: on where
+    the sampler is not on CUDA (an RL run with ``max_steps_off_policy`` > 0 asks for it). With it
+    the two compute threads each get half the intra-op threads (``backends.torch.threads``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement, Placement):
@@ -205,6 +212,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigurationError(f"logprobs_mode={self.logprobs_mode!r}: must be 'raw' or 'processed'")
         if self.drain_policy not in ("wait", "pause"):
             raise ConfigurationError(f"drain_policy={self.drain_policy!r}: must be 'wait' or 'pause'")
+        if self.train_concurrently not in ("off", "on", "auto"):
+            raise ConfigurationError(f"train_concurrently={self.train_concurrently!r}: must be 'off', 'on' or 'auto'")
         _positive("drain_timeout_s", self.drain_timeout_s)
         _positive("close_timeout_s", self.close_timeout_s)
         _positive("max_num_seqs", self.max_num_seqs, integer=True)

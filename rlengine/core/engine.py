@@ -11,7 +11,8 @@ Either way all engine state lives on the loop thread. Other threads hand work
 in through a thread-safe inbox drained by one ``call_soon_threadsafe`` per
 burst (not one per request). Backend steps and training work run on one
 compute thread (``rlengine.core.compute``), so the loop stays responsive while the
-accelerator (or CPU) computes.
+accelerator (or CPU) computes; with ``EngineConfig.train_concurrently``
+training calls get a thread of their own beside it (``rlengine.core.training``).
 
 This module owns lifecycle and submission, and validates every sample call
 in one place (``validate_sample``; ``sample`` = validate + ``submit_sample``):
@@ -42,6 +43,7 @@ from rlengine.core.futures import RequestFuture
 from rlengine.core.records import Entry, OnTokens, SampleSpec, new_blocking, new_lease, new_sample
 from rlengine.core.sampler import SamplerLoop
 from rlengine.core.scheduler import Lease, Scheduler
+from rlengine.core.training import TrainingLane, snapshot
 from rlengine.errors import (
     ConfigurationError,
     ContextLengthExceeded,
@@ -86,6 +88,8 @@ class Engine:
         self._loop_thread: threading.Thread | None = None
         self._loop_ident: int | None = None
         self._compute: ComputeThread | None = None
+        self._lane: TrainingLane | None = None
+        """Training calls' own thread (``EngineConfig.train_concurrently``); None: they are blocking work."""
         self._sampler: SamplerLoop | None = None
         self._serve_task: asyncio.Task[None] | None = None
         # Work handed in from other threads: queued items themselves (the hot
@@ -143,6 +147,8 @@ class Engine:
         finally:
             self._finish_closed()
             loop.run_until_complete(loop.shutdown_asyncgens())
+            # The thread the tear-down's waits ran on ends with the loop.
+            loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
 
     async def _owned_main(self) -> None:
@@ -182,6 +188,14 @@ class Engine:
         self._sampler = SamplerLoop(self._backend, self._compute, continuous=self.config.resolved_continuous(),
                                     drain_policy=self.config.drain_policy,
                                     drain_timeout_s=self.config.drain_timeout_s, seed=self.config.seed)
+        mode = self.config.train_concurrently
+        if mode != "off":
+            device = str(getattr(self._backend, "describe", dict)().get("device", "cpu"))
+            if not device.startswith("cuda"):
+                self._lane = TrainingLane(ComputeThread("rlengine-trainer"), loop)
+            elif mode == "on":
+                raise ConfigurationError(f"train_concurrently='on': the sampler runs on {device}, which the trainer "
+                                         "shares (training must wait for the sampler to drain there)")
         self._serve_task = loop.create_task(self._sampler.serve(), name="rlengine-sampler")
         self._state = "running"
         self._drain_inbox()
@@ -213,8 +227,8 @@ class Engine:
         return backend
 
     def get_trainer(self) -> Any:
-        """The trainer, created on first use (call it on the compute thread: from a
-        blocking item's ``run``, as ``TrainingClient`` does)."""
+        """The trainer, created on first use (call it from a training call's ``run``, on the thread
+        that runs training, as ``TrainingClient`` does)."""
         if self._trainer is None:
             if self.config.placement.trainer_workers > 1:
                 if SPECS[self._spec_name].trainer != SPECS["torch"].trainer:
@@ -270,25 +284,36 @@ class Engine:
     def _begin_close(self) -> None:
         if self._sampler is not None:
             self._sampler.stop()
+        if self._lane is not None:
+            self._lane.close(EngineClosed("the engine closed before this training call ran"))
 
     def _force_dead(self, error: EngineDeadError) -> None:
         if self._sampler is not None:
             self._sampler.die(error)
+        if self._lane is not None:
+            self._lane.close(error)
 
     async def _tear_down(self, timeout: float | None = None) -> None:
         timeout = self.config.close_timeout_s if timeout is None else timeout
         compute, backend = self._compute, self._backend
         if compute is None:
             return
+        lane = self._lane
+        if lane is not None:
+            dead = self._sampler.dead if self._sampler is not None else None
+            lane.close(dead or EngineClosed("the engine closed before this training call ran"))
         if backend is not None and compute.is_alive():
             # Closing a broken backend must not block shutdown.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(compute.submit(asyncio.get_running_loop(), backend.close), timeout)
         # A trainer this engine built with processes of its own (the sharded one) ends with it.
         close_trainer = getattr(self._trainer, "close", None) if self._trainer is not self._given_trainer else None
-        if close_trainer is not None and compute.is_alive():
+        trainer_thread = lane.thread if lane is not None else compute
+        if close_trainer is not None and trainer_thread.is_alive():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(compute.submit(asyncio.get_running_loop(), close_trainer), timeout)
+                await asyncio.wait_for(trainer_thread.submit(asyncio.get_running_loop(), close_trainer), timeout)
+        if lane is not None:
+            await asyncio.to_thread(lane.thread.stop, timeout)
         await asyncio.to_thread(compute.stop, timeout)
 
     def _finish_closed(self) -> None:
@@ -415,8 +440,10 @@ class Engine:
         return self.config.model_name or self.config.model
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot of the sampler's counters (approximate off the loop thread)."""
-        return {"state": self.state, **(self._sampler.describe() if self._sampler else {})}
+        """A snapshot of the sampler's counters (approximate off the loop thread), and with
+        ``train_concurrently`` the training lane's (``train_busy_s``, ``train_runs``)."""
+        lane = {} if self._lane is None else {"train_busy_s": self._lane.busy_s, "train_runs": self._lane.runs}
+        return {"state": self.state, **(self._sampler.describe() if self._sampler else {}), **lane}
 
     # -- requests -------------------------------------------------------------------------
 
@@ -517,9 +544,42 @@ class Engine:
         return self._submit(new_blocking(self._new_id("b"), kind, run, self._abort_cb, noop=noop, before=before,
                                          after=after))
 
+    def submit_training(self, kind: str, run: Callable[[], Any]) -> RequestFuture[Any]:
+        """Queue a training call: on the training lane when training runs concurrently
+        (``EngineConfig.train_concurrently``), else as blocking work. Calls run in submission
+        order either way; thread-safe."""
+        if self._lane is None:
+            return self.submit_blocking(kind, run)
+        future: RequestFuture[Any] = RequestFuture(self._new_id("t"))
+        dead = self._sampler.dead if self._sampler is not None else None
+        if self._state not in ("running", "closing") or dead is not None:
+            future.set_exception(dead or EngineClosed(f"{kind}: the engine is {self._state}"))
+        else:
+            self._call_soon(self._lane.submit, future, run)
+        return future
+
     def install_weights(self, weights: Callable[[], Any]) -> RequestFuture[int]:
-        """Install ``weights()`` (named tensors, computed on the compute thread) as the
-        next policy version, through the gate: seal, drain, install, reopen."""
+        """Install ``weights()`` (named tensors, taken where training runs) as the next policy
+        version, through the gate: seal, drain, install, reopen. With a training lane the
+        weights are copied there first, after the training calls queued before this install,
+        then installed on the compute thread."""
+        if self._lane is None:
+            return self._install(weights)
+        taken = self.submit_training("weights", lambda: snapshot(weights()))
+        out: RequestFuture[int] = RequestFuture(taken.request_id)
+
+        def install(f: RequestFuture[Any]) -> None:
+            error = f.exception(0)
+            if error is not None:
+                out.set_exception(error)
+            else:
+                copy = f.result(0)
+                out.adopt(self._install(lambda: copy))
+
+        taken.add_done_callback(install)
+        return out
+
+    def _install(self, weights: Callable[[], Any]) -> RequestFuture[int]:
         box: dict[str, int] = {}
 
         def before() -> None:

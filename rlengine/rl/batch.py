@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from rlengine.rl.advantages import (
+    GroupVerdict,
+    SampledDatum,
     aggregation_weights,
     assess_group,
     is_stale,
@@ -69,10 +71,45 @@ class WorkItem(NamedTuple):
     builder: EnvGroupBuilder
 
 
+class PreparedGroup(NamedTuple):
+    """What a group becomes whatever the step that takes it: its verdict and its datums."""
+
+    penalties: list[float] | None
+    verdict: GroupVerdict
+    datums: list[tuple[int, int, SampledDatum]]
+    """(trajectory, datum of it, the datum): those of the kept trajectories."""
+
+
+def prepare_group(cfg: TrainConfig, group: TrajectoryGroup) -> PreparedGroup:
+    """The verdict (failures, survivors, advantages) and the datums of ``group``: a function of
+    the group and the settings alone, so the loop computes it when the group arrives (while an
+    earlier step trains), not on the next step's critical path."""
+    penalties = None if not cfg.overlong_buffer_len else [
+        trajectory_overlong_penalty(t, cfg.max_tokens, cfg.overlong_buffer_len, cfg.overlong_buffer_penalty_factor)
+        for t in group.trajectories]
+    verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
+                           skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages,
+                           overlong_filtering=cfg.overlong_filtering, penalties=penalties)
+    with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
+    datums = []
+    for i, advantage in zip(verdict.kept, verdict.advantages):
+        trajectory = group.trajectories[i]
+        if cfg.loss_aggregation == "sequence":
+            # The old mode, kept exactly for runs stored with it: per trajectory, not per call.
+            advantage /= max(1, trajectory.sampled_tokens)
+        datums += [(i, j, d) for j, d in enumerate(trajectory_datums(trajectory, advantage, with_mask=with_mask))]
+    return PreparedGroup(penalties, verdict, datums)
+
+
 class RolloutResult(NamedTuple):
     item: WorkItem
     group: TrajectoryGroup
     seconds: float
+    version_shift: int | None = None
+    """Engine version -> policy version for a group sampled by an earlier process (restored from
+    a checkpoint); None: this process's (``StepBatch.policy_version``)."""
+    prepared: PreparedGroup | None = None
+    """``prepare_group`` of it, when the loop made it on arrival."""
 
 
 class StepBatch:
@@ -128,20 +165,17 @@ class StepBatch:
         cfg = self.cfg
         item, group = result.item, result.group
         spans = group.versions()
-        oldest = None if spans is None else self.policy_version(spans[0])
+        # Policy versions are engine versions shifted by a constant (the sampling process's).
+        shift = self.policy_version(0) if result.version_shift is None else result.version_shift
+        oldest = None if spans is None else spans[0] + shift
         self.tokens += sum(t.sampled_tokens for t in group.trajectories)
         entry: dict[str, Any] = {"step": self.step, "group": item.index, "attempt": item.attempt,
-                                 "versions": None if spans is None else [oldest, self.policy_version(spans[1])]}
+                                 "versions": None if spans is None else [oldest, spans[1] + shift]}
         if is_stale(oldest, self.updates, cfg.max_steps_off_policy):
             self.counts["groups_resampled_stale"] += 1
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
-        penalties = None if not cfg.overlong_buffer_len else [
-            trajectory_overlong_penalty(t, cfg.max_tokens, cfg.overlong_buffer_len, cfg.overlong_buffer_penalty_factor)
-            for t in group.trajectories]
-        verdict = assess_group(group, min_surviving_attempts=cfg.min_surviving_attempts,
-                               skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages,
-                               overlong_filtering=cfg.overlong_filtering, penalties=penalties)
+        penalties, verdict, datums = result.prepared or prepare_group(cfg, group)
         if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
                 and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
             # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
@@ -180,19 +214,11 @@ class StepBatch:
             self.staleness.append(self.updates - oldest)
         self.groups.append(DumpedGroup(group=item.index, attempt=item.attempt, rewards=verdict.rewards,
                                        trajectories=verdict.kept, advantages=verdict.advantages))
-        offset = self.policy_version(0)  # policy versions are engine versions shifted by a constant
-        with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
-        for i, advantage in zip(verdict.kept, verdict.advantages):
-            trajectory = group.trajectories[i]
-            if cfg.loss_aggregation == "sequence":
-                # The old mode, kept exactly for runs stored with it: per trajectory, not per call.
-                advantage /= max(1, trajectory.sampled_tokens)
-            for j, (datum, mask, versions) in enumerate(trajectory_datums(trajectory, advantage,
-                                                                           with_mask=with_mask)):
-                self.pending_datums.append(datum)
-                self.pending_keys.append((item.index, i, j))
-                self.masks.append(mask)
-                self.versions.append(np.where(versions >= 0, versions + offset, -1))
+        for i, j, (datum, mask, versions) in datums:
+            self.pending_datums.append(datum)
+            self.pending_keys.append((item.index, i, j))
+            self.masks.append(mask)
+            self.versions.append(np.where(versions >= 0, versions + shift, -1))
         self.pending_groups += 1
         if cfg.num_minibatches > 1 and self.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
             self._submit_minibatch()
@@ -411,8 +437,9 @@ class StepBatch:
         return out
 
     def record(self, version: int, train_metrics: dict[str, float], *, wall: float, train_time_s: float,
-               sampler_idle_frac: float | None, time_s: float) -> dict[str, Any]:
-        """The step's metrics line; ``wall`` is the step's time, since the previous step ended."""
+               sampler_idle_frac: float | None, time_s: float, trainer_busy_frac: float | None = None) -> dict[str, Any]:
+        """The step's metrics line; ``wall`` is the step's time, since the previous step ended;
+        ``trainer_busy_frac`` the share of it the engine's training lane ran (None without one)."""
         record: dict[str, Any] = {
             "step": self.step, "version": version, **reward_stats(self.rewards),
             "groups_trained": self.counts["groups_trained"],
@@ -429,7 +456,7 @@ class StepBatch:
             "staleness_max": max(self.staleness) if self.staleness else None,
             **train_metrics, "tokens_sampled": self.tokens, "tokens_per_s": self.tokens / wall if wall else 0.0,
             "step_time_s": wall, "train_time_s": train_time_s, "sampler_idle_frac": sampler_idle_frac,
-            "time_s": time_s,
+            "trainer_busy_frac": trainer_busy_frac, "time_s": time_s,
         }
         if self.cfg.overlong_buffer_len:
             # The rewards above include it: reward_mean - overlong_penalty_mean is the mean before shaping.

@@ -7,7 +7,10 @@ A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding
   sampler is drained while it is written: the checkpoint is quiescent.
 * ``loop.json`` - the ``LoopState``: step, policy updates, the dataset
   cursor, the groups issued but not yet consumed (re-issued first on
-  resume, so no group is trained twice or skipped), and the global RNG
+  resume, so no group is trained twice or skipped; those already sampled,
+  as the fixed-lag schedule samples ahead, are kept with their trajectories
+  and fed to the resumed run as they are, so it trains what the
+  uninterrupted run would have), and the global RNG
   states (Python, numpy, torch when loaded) for environments that draw from
   them, as plain JSON (numbers, and torch's state bytes in base64): nothing
   on a checkpoint path is pickled, and a resumed run restores them.
@@ -37,8 +40,9 @@ import numpy as np
 
 from rlengine.rl.errors import CheckpointError
 from rlengine.rl.metrics import replace_file
+from rlengine.rl.types import TrajectoryGroup
 
-__all__ = ["Checkpointer", "LoopState", "PendingGroup", "capture_rng", "restore_rng", "rewind_jsonl"]
+__all__ = ["Checkpointer", "LoopState", "PendingGroup", "SampledGroup", "capture_rng", "restore_rng", "rewind_jsonl"]
 
 _LATEST = "latest"
 _FORMAT = "rlengine-rl-checkpoint-2"
@@ -55,6 +59,17 @@ class PendingGroup(msgspec.Struct, array_like=True, frozen=True):
     """How many times it was re-issued (stale re-samples)."""
 
 
+class SampledGroup(msgspec.Struct, kw_only=True, frozen=True):
+    """A group sampled and not yet consumed at a checkpoint, with what it sampled."""
+
+    index: int
+    attempt: int
+    version_shift: int
+    """Added to its tokens' engine versions, the run's policy version (each process counts its
+    engine's installs from 1)."""
+    group: TrajectoryGroup
+
+
 class LoopState(msgspec.Struct, kw_only=True, frozen=True):
     format: str = _FORMAT
     step: int
@@ -64,6 +79,8 @@ class LoopState(msgspec.Struct, kw_only=True, frozen=True):
     cursor: int
     """The next global builder index the dataloader will issue."""
     pending: list[PendingGroup]
+    sampled: list[SampledGroup] = msgspec.field(default_factory=list)
+    """Groups of ``pending`` already sampled (their results, fed to the resumed run)."""
     rng: dict[str, Any]
     """The global RNG states (``capture_rng``): JSON values."""
     elapsed_s: float

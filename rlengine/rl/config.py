@@ -48,8 +48,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     group_size: int = 8
     max_steps_off_policy: int = 0
     """0: synchronous (sample a batch with the current weights, train, repeat).
-    k > 0: rollouts for up to k steps ahead run while training; a group whose
-    oldest token is more than k policy versions old is re-sampled instead of trained."""
+    k > 0: rollouts for up to k steps ahead run while training (the engine trains on a thread
+    of its own where the sampler is not on CUDA: ``EngineConfig.train_concurrently``). With
+    ``reproducible`` each batch b samples exactly policy max(0, b - k) whatever the timing (a
+    step installs its weights once the batches released before it are sampled; a checkpoint
+    keeps them); without it a batch samples whatever is loaded, and a group whose oldest token
+    is more than k policy versions old is re-sampled instead of trained."""
     workers: int | None = None
     """Concurrent group rollouts; None: ``groups_per_batch * (max_steps_off_policy + 1)``."""
     num_minibatches: int = 1

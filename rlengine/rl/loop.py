@@ -9,6 +9,17 @@ connected by queues:
   training loop found stale come back and are re-issued first. When the
   data needed is issued and every issued group consumed, or on stop, it
   sends one sentinel per worker.
+
+  With ``max_steps_off_policy`` k > 0 the next batches sample while a step
+  trains (the engine trains on its own thread where it can:
+  ``EngineConfig.train_concurrently``). In a ``reproducible`` run every
+  batch samples one policy, fixed by the schedule, not by timing: step n
+  installs its weights only once every group released before it (batches
+  up to n + k) has been sampled, so batch b always samples policy
+  ``max(0, b - 1 - k)``: exactly k steps behind, the one-step-off-policy
+  pipeline of AReaL and verl for k = 1. Without ``reproducible`` an install
+  happens as soon as its step has trained, and a batch may sample any
+  policy within k of its step.
 * **rollout workers** take a builder, roll the group out through the
   engine (``rollouts.rollout_group``) and put the group on the results
   queue. Each worker decrements a counter in ``finally`` (so a crashed
@@ -68,8 +79,8 @@ from typing import Any
 
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
-from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
-from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, capture_rng, restore_rng
+from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem, prepare_group
+from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, SampledGroup, capture_rng, restore_rng
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import read_step, step_files, write_step
 from rlengine.rl.errors import DataExhausted, FailureBudgetExceeded, RunInterrupted, StageTimeout
@@ -130,7 +141,11 @@ class TrainingRun:
         self.step = start.step if start else 0
         self.updates = start.updates if start else 0
         self.cursor = start.cursor if start else 0
-        self._reissue = [PendingGroup(p.index, p.attempt) for p in start.pending] if start else []
+        self._restored = list(start.sampled) if start else []
+        """Groups the checkpoint holds sampled: fed to the training loop as they are."""
+        restored = {s.index for s in self._restored}
+        self._reissue = [PendingGroup(p.index, p.attempt) for p in start.pending if p.index not in restored] \
+            if start else []
         self._elapsed0 = start.elapsed_s if start else 0.0
         self.total_steps = config.steps if config.steps is not None else len(dataset)
         self.n_workers = config.resolved_workers
@@ -149,12 +164,18 @@ class TrainingRun:
         """Steps evaluated or asked for (a resumed run starts with those its eval log holds)."""
         self._evals_open = 0
         """Evaluations asked for and not yet finished: the next weight install waits for them."""
+        self._arrived: dict[int, int] = {}
+        """Per batch, its groups whose first rollout came back (the fixed-lag schedule waits on them)."""
+        self._unconsumed: dict[int, RolloutResult] = {}
+        """Groups sampled and not yet consumed by the training loop (a checkpoint keeps them)."""
+        self._early: dict[int, list[RolloutResult]] = {}
+        """By batch, groups that arrived before their step (a reproducible run's steps take their own)."""
         self._failure_window: deque[tuple[int, int, int, int]] = deque(maxlen=self.cfg.failure_window_steps)
         """(attempts failed, attempts, groups untrained for too few survivors, groups) of the last steps."""
         self._v0 = 0
         self._clock0 = 0.0
         self._last_step_end = 0.0
-        self._last_busy: float | None = None
+        self._last_busy: tuple[float | None, float | None] = (None, None)
         self._dumps = step_files(config.train_from) if config.train_from is not None else []
         self.dump_bytes = 0
         """Bytes of step dumps written (``dump_rollouts``)."""
@@ -222,7 +243,7 @@ class TrainingRun:
         self.sampler = self.engine.sampling_client()
         self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
         self._last_step_end = time.monotonic()
-        self._last_busy = self._sampler_busy()
+        self._last_busy = self._busy()
         if cfg.train_from is not None:
             stages: dict[str, Callable[[], Awaitable[None]]] = {"training loop": self._trainer}
         else:
@@ -230,6 +251,7 @@ class TrainingRun:
                 # Step 0's evaluation, or a resumed run's at its checkpoint when the run was
                 # killed between the checkpoint and that evaluation (once: see ``evaluated``).
                 self._request_eval(self.step)
+            self._restore_sampled()
             stages = {"dataloader": self._dataloader}
             for i in range(self.n_workers):
                 stages[f"rollout worker {i}"] = self._worker
@@ -289,10 +311,12 @@ class TrainingRun:
         start_updates = self.resume[1].updates if self.resume else 0
         return start_updates + engine_version - self._v0
 
-    def _sampler_busy(self) -> float | None:
-        """Seconds the engine's sampler has spent in backend steps (None if the engine does not say)."""
-        busy = self.engine.stats().get("busy_s")
-        return None if busy is None else float(busy)
+    def _busy(self) -> tuple[float | None, float | None]:
+        """Seconds the engine's sampler has spent in backend steps, and its training lane in
+        training calls (each None if the engine does not say: no lane, training blocks sampling)."""
+        stats = self.engine.stats()
+        return tuple(None if stats.get(key) is None else float(stats[key])  # type: ignore[return-value]
+                     for key in ("busy_s", "train_busy_s"))
 
     async def _call(self, future: Any) -> Any:
         """Await one engine call of the training loop, bounded and abort-aware."""
@@ -362,7 +386,8 @@ class TrainingRun:
                     item.builder, self.sampler, self.params, seed, max_turns=self.cfg.max_turns,
                     episode_timeout_s=self.cfg.episode_timeout_s))
                 if group is not None:
-                    self.results_q.put_nowait(RolloutResult(item, group, time.monotonic() - started))
+                    self._arrive(RolloutResult(item, group, time.monotonic() - started,
+                                               prepared=prepare_group(self.cfg, group)))
         finally:
             self._workers_left -= 1
             if self._workers_left == 0:
@@ -385,6 +410,23 @@ class TrainingRun:
             self.eval_q.put_nowait(EVAL_STOP)
             self._request_stop()
 
+    def _arrive(self, result: RolloutResult) -> None:
+        """A sampled group, for the training loop (and for a checkpoint until it is consumed)."""
+        item = result.item
+        self.results_q.put_nowait(result)
+        self._unconsumed[item.index] = result
+        if item.attempt == 0:
+            batch = item.index // self.cfg.groups_per_batch
+            self._arrived[batch] = self._arrived.get(batch, 0) + 1
+            self._progress.set()
+
+    def _restore_sampled(self) -> None:
+        """A resumed run's groups that its checkpoint holds sampled, back in the results queue."""
+        for s in self._restored:
+            item = WorkItem(s.index, s.attempt, self._builder(s.index))
+            self._issued[s.index] = PendingGroup(s.index, s.attempt)
+            self._arrive(RolloutResult(item, s.group, 0.0, s.version_shift))
+
     async def _next_result(self) -> RolloutResult | None:
         result = await self._until_aborted(self.results_q.get())
         if result is None:
@@ -396,10 +438,24 @@ class TrainingRun:
                                f"{self.cfg.groups_per_batch} groups")
         return result
 
+    async def _next_result_for(self, step: int) -> RolloutResult | None:
+        """The next group for step ``step``: in a reproducible run, one of its own batch (groups of
+        later batches, sampled ahead, wait for their step); otherwise whichever arrives first."""
+        if not self.cfg.reproducible:
+            return await self._next_result()
+        own = step - 1
+        while not self._early.get(own):
+            result = await self._next_result()
+            if result is None:
+                return None
+            self._early.setdefault(result.item.index // self.cfg.groups_per_batch, []).append(result)
+        return self._early[own].pop(0)
+
     def _intake(self, result: RolloutResult, batch: StepBatch) -> None:
         """One group into the step's batch (``StepBatch.intake``) and into the dataloader's books:
         a stale group (or, with dynamic sampling, a constant one) is issued again, any other is done."""
         item = result.item
+        self._unconsumed.pop(item.index, None)
         retry = batch.intake(result)
         if retry is not None:
             self._issued[item.index] = PendingGroup(item.index, retry.attempt)
@@ -416,7 +472,7 @@ class TrainingRun:
         batch = StepBatch(cfg, None if cfg.rollout_only else self.training, step, self.updates,
                           self._policy_version)
         while batch.consumed < cfg.groups_per_batch:
-            result = await self._next_result()
+            result = await self._next_result_for(step)
             if result is None:
                 return False
             self._intake(result, batch)
@@ -434,6 +490,8 @@ class TrainingRun:
             # The evaluation of step k samples policy k only: the install waits for it.
             if await self._until_aborted(self._evals_settled.wait()) is None:
                 return False
+            if cfg.reproducible and cfg.max_steps_off_policy and not await self._released_sampled(step):
+                return False
             install = self.training.save_weights_for_sampler()
             train_metrics = await self._train(batch, optims, lr, install)
             if train_metrics is None:
@@ -441,6 +499,22 @@ class TrainingRun:
         if cfg.dump_rollouts is not None:
             self.dump_bytes += await asyncio.to_thread(write_step, cfg.dump_rollouts, batch.to_dump(lr))
         return await self._finish_step(batch, train_metrics, train_started)
+
+    async def _released_sampled(self, step: int) -> bool:
+        """Wait until every batch released before step ``step``'s install (the fixed-lag schedule:
+        batches up to ``step + max_steps_off_policy``) has all its groups sampled; False on abort."""
+        g = self.cfg.groups_per_batch
+        last = min(step + self.cfg.max_steps_off_policy, self.total_steps)
+        while any(self._arrived.get(b, 0) < g for b in range(step, last)):
+            if self._abort.is_set():
+                return False
+            self._progress.clear()
+            # Bounded, so that a missed wake-up costs a second, never a hang.
+            try:
+                await asyncio.wait_for(self._progress.wait(), 1.0)
+            except TimeoutError:
+                pass
+        return not self._abort.is_set()
 
     async def _recompute(self, batch: StepBatch) -> bool:
         """The recompute pass (``TrainConfig.recomputes``): the trainer's logprobs of the step's
@@ -485,12 +559,13 @@ class TrainingRun:
         cfg = self.cfg
         step = batch.step
         now = time.monotonic()
-        busy = self._sampler_busy()
+        busy = self._busy()
         wall = now - self._last_step_end
-        idle = (min(1.0, max(0.0, 1.0 - (busy - self._last_busy) / wall))
-                if wall and busy is not None and self._last_busy is not None else None)
+        share = [min(1.0, max(0.0, (b - last) / wall)) if wall and b is not None and last is not None else None
+                 for b, last in zip(busy, self._last_busy)]
         record = batch.record(self.updates, train_metrics, wall=wall, train_time_s=now - train_started,
-                              sampler_idle_frac=idle, time_s=now - self._clock0)
+                              sampler_idle_frac=None if share[0] is None else 1.0 - share[0],
+                              trainer_busy_frac=share[1], time_s=now - self._clock0)
         self._last_step_end, self._last_busy = now, busy
         # The step is complete: advance, and snapshot the loop state before any
         # await lets the dataloader issue the next batch.
@@ -540,9 +615,13 @@ class TrainingRun:
         return bool(self.checkpointer and k and (self.step % k == 0 or self.step == self.total_steps))
 
     def _snapshot(self) -> LoopState:
+        shift = self._policy_version(0)
+        sampled = [SampledGroup(index=r.item.index, attempt=r.item.attempt, group=r.group,
+                                version_shift=shift if r.version_shift is None else r.version_shift)
+                   for r in sorted(self._unconsumed.values(), key=lambda r: r.item.index)]
         return LoopState(step=self.step, updates=self.updates, cursor=self.cursor,
-                         pending=sorted(self._issued.values(), key=lambda p: p.index), rng=capture_rng(),
-                         elapsed_s=time.monotonic() - self._clock0)
+                         pending=sorted(self._issued.values(), key=lambda p: p.index), sampled=sampled,
+                         rng=capture_rng(), elapsed_s=time.monotonic() - self._clock0)
 
     async def _checkpoint(self, state: LoopState) -> None:
         assert self.checkpointer is not None

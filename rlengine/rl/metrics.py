@@ -182,8 +182,9 @@ def summarize(run_dir: str, target: float) -> dict[str, Any]:
                 "groups_resampled_stale", "groups_resampled_constant", "attempts_overlong_filtered",
                 "attempts_failed", *(f"attempts_failed_{kind}" for kind in FAILURE_KINDS)):
         out[key] = int(sum(s.get(key) or 0 for s in steps))
-    idle = [s["sampler_idle_frac"] for s in steps if s.get("sampler_idle_frac") is not None]
-    out["sampler_idle_frac_median"] = float(np.median(idle)) if idle else None
+    for key in ("sampler_idle_frac", "trainer_busy_frac"):
+        shares = [s[key] for s in steps if s.get(key) is not None]
+        out[f"{key}_median"] = float(np.median(shares)) if shares else None
     if evals:
         out["eval_reward_last"] = evals[-1].get("reward_mean")
         scored = [e["reward_mean"] for e in evals if e.get("reward_mean") is not None]

@@ -1,11 +1,21 @@
 """Rollouts through the engine: one episode (single- or multi-turn), one group of them.
 
 ``run_episode`` drives one ``Env``: observation -> ``SamplingClient.sample``
--> ``env.step`` -> ... until the environment says done. Every sample is a
-separate engine request with its own future, so the attempts of a group and
-the groups of a batch proceed independently (no waves); the sampled tokens,
+-> ``env.step`` -> ... until the environment says done. Every sample is an
+engine request with its own future, so the attempts of a group and the
+groups of a batch proceed independently (no waves); the sampled tokens,
 logprobs and per-token policy versions are kept exactly as the engine
 returned them.
+
+A group of plain ``Env`` episodes whose first observations are all equal (a
+GRPO group: one prompt, ``group_size`` answers) samples its first turn as one
+engine call of ``group_size`` samples, and steps its environments one after
+the other; only episodes that go on past their first turn get a task of
+their own. That spares the loop a request, a future and a task per attempt
+(RL recipes with short answers spend most of their loop time there); the
+samples are seeded from the group's seed (``mix_seed(seed, FIRST_TURN)``,
+sample ``i`` deriving its own), so the path taken is a function of the
+recipe, never of timing.
 
 Failures are contained where they belong:
 
@@ -56,6 +66,10 @@ from rlengine.types import SampledSequence, SamplingParams
 __all__ = ["rollout_group", "run_episode"]
 
 log = logging.getLogger("rlengine")
+
+FIRST_TURN = 0x46495253
+"""Mixed into a group's seed for its shared first turn (``rollout_group``), apart from the
+per-attempt seeds ``mix_seed(seed, i)``."""
 
 def _failure(stage: str, exc: BaseException, turn: int) -> AttemptFailure:
     # A sandbox's failure says what it was (``SandboxError.kind``); an engine that refused a
@@ -127,27 +141,49 @@ async def run_episode(env: Env | AgentEnv, client: SamplingClient, params: Sampl
             log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
 
 
-async def _turns(env: Env, client: SamplingClient, params: SamplingParams, seed: int, max_turns: int,
-                 metadata: dict[str, Any]) -> Trajectory:
-    """The observe -> sample -> step loop of one ``Env`` episode."""
-    transitions: list[Transition] = []
-    turn = 0
+async def _first_observation(env: Env, metadata: dict[str, Any]) -> Observation | Trajectory:
+    """The episode's first observation, or its failed trajectory."""
     try:
-        observation = await env.initial_observation()
+        return await env.initial_observation()
     except (EngineDeadError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
         return Trajectory(transitions=[], failure=_failure("initial_observation", exc, 0), metadata=metadata)
-    while True:
-        try:
-            action = await _sample(client, observation, _turn_params(params, observation, mix_seed(seed, turn)))
-        except RequestError as exc:
-            return Trajectory(transitions=transitions, failure=_failure("sample", exc, turn), metadata=metadata)
+
+
+class _Episode:
+    """One ``Env`` episode under way: its turns so far, the next observation and, when the group
+    sampled it, the action for it."""
+
+    def __init__(self, env: Env, client: SamplingClient, params: SamplingParams, seed: int, max_turns: int,
+                 metadata: dict[str, Any], observation: Observation, action: SampledSequence | None = None) -> None:
+        self.env = env
+        self.client = client
+        self.params = params
+        self.seed = seed
+        self.max_turns = max_turns
+        self.metadata = metadata
+        self.observation = observation
+        self.action = action
+        self.transitions: list[Transition] = []
+
+    def end(self, failure: AttemptFailure | None = None) -> Trajectory:
+        return Trajectory(transitions=self.transitions, metadata=self.metadata, failure=failure)
+
+    async def turn(self) -> Trajectory | None:
+        """Sample (unless the action is given) and step one turn; the trajectory once it ended."""
+        turn, observation, action = len(self.transitions), self.observation, self.action
+        if action is None:
+            params = _turn_params(self.params, observation, mix_seed(self.seed, turn))
+            try:
+                action = await _sample(self.client, observation, params)
+            except RequestError as exc:
+                return self.end(_failure("sample", exc, turn))
         if action.stop_reason == "abort":
             # The engine is shutting down; the loop is stopping this rollout anyway.
             raise asyncio.CancelledError(f"turn {turn}: the engine aborted the sample")
         try:
-            result = await env.step(action.tokens)
+            result = await self.env.step(action.tokens)
             if not isinstance(result, StepResult):
                 raise TypeError(f"Env.step returned {type(result).__name__}, not a StepResult")
             reward = _check_reward(f"turn {turn} reward", result.reward)
@@ -156,18 +192,32 @@ async def _turns(env: Env, client: SamplingClient, params: SamplingParams, seed:
         except (EngineDeadError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
-            return Trajectory(transitions=transitions, failure=_failure("step", exc, turn), metadata=metadata)
-        transitions.append(Transition(observation=observation, action=action, reward=reward,
-                                      done=result.done, metrics=dict(result.metrics)))
-        turn += 1
+            return self.end(_failure("step", exc, turn))
+        self.transitions.append(Transition(observation=observation, action=action, reward=reward,
+                                           done=result.done, metrics=dict(result.metrics)))
         if result.done:
-            return Trajectory(transitions=transitions, metadata=metadata)
-        if turn >= max_turns:
-            return Trajectory(transitions=transitions, metadata=metadata, failure=AttemptFailure(
-                stage="max_turns", error="MaxTurns", message=f"not done after max_turns={max_turns}",
-                turn=turn))
+            return self.end()
+        if turn + 1 >= self.max_turns:
+            return self.end(AttemptFailure(stage="max_turns", error="MaxTurns",
+                                            message=f"not done after max_turns={self.max_turns}", turn=turn + 1))
         assert result.next_observation is not None
-        observation = result.next_observation
+        self.observation, self.action = result.next_observation, None
+        return None
+
+    async def finish(self) -> Trajectory:
+        while True:
+            trajectory = await self.turn()
+            if trajectory is not None:
+                return trajectory
+
+
+async def _turns(env: Env, client: SamplingClient, params: SamplingParams, seed: int, max_turns: int,
+                 metadata: dict[str, Any]) -> Trajectory:
+    """The observe -> sample -> step loop of one ``Env`` episode."""
+    first = await _first_observation(env, metadata)
+    if isinstance(first, Trajectory):
+        return first
+    return await _Episode(env, client, params, seed, max_turns, metadata, first).finish()
 
 
 async def _bounded_episode(env: Env | AgentEnv, client: SamplingClient, params: SamplingParams, seed: int,
@@ -183,20 +233,110 @@ async def _bounded_episode(env: Env | AgentEnv, client: SamplingClient, params: 
             kind="timeout"))
 
 
+def _timed_out(timeout_s: float, started: float) -> Trajectory:
+    return Trajectory(transitions=[], failure=AttemptFailure(
+        stage="timeout", error="TimeoutError",
+        message=f"episode_timeout_s={timeout_s}: not done after {time.monotonic() - started:.1f} s", turn=-1,
+        kind="timeout"))
+
+
+async def _shared_first_turn(observation: Observation, n: int, client: SamplingClient, params: SamplingParams,
+                             seed: int) -> list[SampledSequence] | RequestError:
+    """The first turn of ``n`` attempts with one ``observation``, as one engine call."""
+    future = client.sample(observation.prompt, n, _turn_params(params, observation, mix_seed(seed, FIRST_TURN)))
+    try:
+        return list((await future).sequences)
+    except asyncio.CancelledError:
+        future.abort()  # nobody will read these generations
+        raise
+    except RequestError as exc:
+        return exc
+
+
+async def _plain_group(envs: Sequence[Env], client: SamplingClient, params: SamplingParams, seed: int,
+                       max_turns: int, timeout_s: float) -> list[Trajectory]:
+    """A group of plain ``Env`` episodes (module docstring): first observations and first steps
+    env by env, the first turns of equal observations as one call, the episodes that go on as
+    tasks. Each attempt fails on its own; every environment that started is closed once."""
+    started = time.monotonic()
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    out: list[Trajectory | None] = [None] * len(envs)
+    opened: list[Env] = []
+    episodes: dict[int, _Episode] = {}
+    try:
+        try:
+            async with asyncio.timeout_at(deadline):
+                for i, env in enumerate(envs):
+                    try:
+                        metadata = env.metadata()
+                    except Exception as exc:  # noqa: BLE001 - a broken environment fails its attempt only
+                        out[i] = Trajectory(transitions=[], failure=_failure("metadata", exc, 0))
+                        continue
+                    opened.append(env)
+                    first = await _first_observation(env, metadata)
+                    if isinstance(first, Trajectory):
+                        out[i] = first
+                    else:
+                        episodes[i] = _Episode(env, client, params, mix_seed(seed, i), max_turns, metadata, first)
+                observations = [e.observation for e in episodes.values()]
+                if len(observations) > 1 and all(o == observations[0] for o in observations[1:]):
+                    shared = await _shared_first_turn(observations[0], len(observations), client, params, seed)
+                    for k, (i, episode) in enumerate(list(episodes.items())):
+                        if isinstance(shared, RequestError):
+                            out[i] = episode.end(_failure("sample", shared, 0))
+                            del episodes[i]
+                        else:
+                            episode.action = shared[k]
+                for i, episode in list(episodes.items()):
+                    trajectory = await episode.turn()
+                    if trajectory is not None:
+                        out[i] = trajectory
+                        del episodes[i]
+        except TimeoutError:
+            for i in episodes:
+                out[i] = _timed_out(timeout_s, started)
+            episodes = {}
+        if episodes:
+            async with asyncio.TaskGroup() as tasks:
+                going_on = {i: tasks.create_task(_bounded_finish(e, deadline, timeout_s, started))
+                            for i, e in episodes.items()}
+            for i, task in going_on.items():
+                out[i] = task.result()
+    finally:
+        for env in opened:
+            try:
+                await env.close()
+            except Exception:
+                log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
+    return [t if t is not None else _timed_out(timeout_s, started) for t in out]
+
+
+async def _bounded_finish(episode: _Episode, deadline: float, timeout_s: float, started: float) -> Trajectory:
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await episode.finish()
+    except TimeoutError:
+        return _timed_out(timeout_s, started)
+
+
 async def rollout_group(builder: EnvGroupBuilder, client: SamplingClient, params: SamplingParams, seed: int, *,
                         max_turns: int, episode_timeout_s: float) -> TrajectoryGroup:
-    """Every attempt of one group, concurrently; attempt ``i`` is seeded ``mix_seed(seed, i)``.
+    """Every attempt of one group; attempt ``i`` is seeded ``mix_seed(seed, i)`` (a group of plain
+    envs with equal first observations shares its first turn: see the module docstring).
 
     A failing builder, a dead engine or cancellation cancels the sibling
-    episodes (a task group) and propagates.
+    episodes and propagates.
     """
     envs: Sequence[Env | AgentEnv] = await builder.make_envs()
     if not envs:
         raise ValueError(f"{type(builder).__name__}.make_envs returned no environments")
-    async with asyncio.TaskGroup() as tasks:
-        running = [tasks.create_task(_bounded_episode(env, client, params, mix_seed(seed, i), max_turns,
-                                                      episode_timeout_s)) for i, env in enumerate(envs)]
-    trajectories = [t.result() for t in running]
+    if len(envs) > 1 and all(isinstance(env, Env) for env in envs):
+        trajectories = await _plain_group(envs, client, params, seed, max_turns, episode_timeout_s)  # type: ignore[arg-type]
+    else:
+        async with asyncio.TaskGroup() as tasks:
+            running = [tasks.create_task(_bounded_episode(env, client, params, mix_seed(seed, i), max_turns,
+                                                          episode_timeout_s)) for i, env in enumerate(envs)]
+        trajectories = [t.result() for t in running]
     group_rewards = await builder.compute_group_rewards(trajectories)
     if len(group_rewards) != len(trajectories):
         raise ValueError(f"{type(builder).__name__}.compute_group_rewards returned {len(group_rewards)} rewards "

@@ -161,7 +161,8 @@ def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     """The recipe's engine settings plus what the run needs: seed, drain policy, room for
     every sequence a step may have in flight, a close no longer than the grace period,
     batch-invariant sampling on the torch backend for a reproducible run, the run's
-    ``logprobs_mode`` and its placement (``placement``, ``sampler_replicas``, ``trainer_workers``)."""
+    ``logprobs_mode``, its placement (``placement``, ``sampler_replicas``, ``trainer_workers``) and,
+    when it samples ahead (``max_steps_off_policy`` > 0), training beside sampling."""
     in_flight = config.groups_per_batch * config.group_size * (config.max_steps_off_policy + 1)
     engine_args = base.engine_args
     if config.reproducible and resolve_backend(base) == "torch":
@@ -173,10 +174,12 @@ def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     if config.placement != "local" or config.sampler_replicas != 1 or config.trainer_workers != 1:
         placement = msgspec.structs.replace(placement, kind=config.placement, sampler_replicas=config.sampler_replicas,
                                             trainer_workers=config.trainer_workers)
+    # Sampling ahead only pays if training can run beside it.
+    concurrent = "auto" if config.max_steps_off_policy > 0 else base.train_concurrently
     return msgspec.structs.replace(base, seed=config.seed, drain_policy=config.drain_policy, placement=placement,
                                    close_timeout_s=min(base.close_timeout_s, config.shutdown_grace_s),
                                    max_num_seqs=max(base.max_num_seqs, in_flight), engine_args=engine_args,
-                                   logprobs_mode=mode)
+                                   logprobs_mode=mode, train_concurrently=concurrent)
 
 
 def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume: bool = False,

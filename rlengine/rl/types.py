@@ -61,7 +61,7 @@ class Observation(msgspec.Struct, kw_only=True, frozen=True):
     """The whole context of this turn, as token ids."""
     max_tokens: int | None = None
     """Most tokens of the answer; None takes the run's ``max_tokens``."""
-    stop: list[str] | list[int] | None = None
+    stop: list[str | int] | None = None
     """Extra stop strings or token ids for this turn (the model's end token always stops)."""
 
 

@@ -1,7 +1,8 @@
 """The torch trainer: Tinker training semantics on a Hugging Face causal LM.
 
-Same methods as ``SimTrainer``; the engine calls them on its compute thread
-with the sampler drained:
+Same methods as ``SimTrainer``; the engine calls them on the thread that
+runs training (its compute thread with the sampler drained, or its training
+lane beside sampling: ``EngineConfig.train_concurrently``):
 
 * ``forward`` / ``forward_backward(data, loss_fn, thresholds)``: a Datum's
   ``model_input`` tokens are the inputs and ``loss_fn_inputs["target_tokens"]``
@@ -57,7 +58,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlengine.backends.torch.runtime import configure_threads, engine_args, load_causal_lm, pick_device, torch_dtype
+from rlengine.backends.torch.runtime import (
+    configure_threads,
+    engine_args,
+    load_causal_lm,
+    pick_device,
+    threads_share,
+    torch_dtype,
+)
 from rlengine.backends.torch.sampling import processed_log_softmax
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.trainer.losses import (
@@ -124,8 +132,8 @@ class TorchTrainer:
 
     def __init__(self, model_path: str, *, device: torch.device | None = None,
                  compute_dtype: torch.dtype = torch.float32, max_len: int | None = None,
-                 micro_batch_tokens: int = 8192, tree_min_prefix: int = 64) -> None:
-        self.threads = configure_threads()
+                 micro_batch_tokens: int = 8192, tree_min_prefix: int = 64, threads_share: int = 1) -> None:
+        self.threads = configure_threads(threads_share)
         self.device = device or torch.device("cpu")
         self.model_path = model_path
         self.compute_dtype = compute_dtype
@@ -141,7 +149,8 @@ class TorchTrainer:
         if tree_min_prefix:
             _register_tree_attention()
         self.named_params = dict(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(list(self.named_params.values()), lr=AdamParams().learning_rate)
+        self.optimizer = torch.optim.AdamW(list(self.named_params.values()), lr=AdamParams().learning_rate,
+                                           fused=True)
         self._reference: Any = None
         """The reference policy of a KL penalty (``losses``), loaded on first use."""
 
@@ -263,30 +272,38 @@ class TorchTrainer:
                 logp, ent = self._target_logprobs(batch, entropy=coef > 0, tree=tree)
             logp_np = logp.detach().cpu().numpy()
             ref_np = self._reference_logprobs(batch, tree) if settings.kl_coef is not None else None
+            offsets = np.cumsum([0, *(d.model_input.length for d in batch)])
+            # Elementwise losses and token-level corrections take the micro-batch's tokens at once;
+            # gspo and the geometric mask are per sequence, and datums with other inputs than
+            # their neighbours' cannot be stacked: those go datum by datum.
+            whole = (loss_fn != "gspo" and settings.correction("geo_mask_low") is None
+                     and len({frozenset(d.loss_fn_inputs) for d in batch}) == 1)
+            parts = [list(range(len(batch)))] if whole else [[j] for j in range(len(batch))]
             grads, masks = [], []
-            offset = 0
-            for i, datum in zip(group, batch):
-                n = datum.model_input.length
-                inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
-                loss, dlogp = elementwise(loss_fn, logp_np[offset:offset + n], inputs, settings)
-                if (sums := mismatch_sums(logp_np[offset:offset + n], inputs)):
+            for part in parts:
+                start, end = offsets[part[0]], offsets[part[-1] + 1]
+                inputs = {key: np.concatenate([batch[j].loss_fn_inputs[key].to_numpy() for j in part])
+                          for key in batch[part[0]].loss_fn_inputs}
+                lp = logp_np[start:end]
+                loss, dlogp = elementwise(loss_fn, lp, inputs, settings)
+                if (sums := mismatch_sums(lp, inputs)):
                     mismatch.append(sums)
                 weights, counts = correction_weights(inputs, settings)
                 loss, dlogp = loss * weights, dlogp * weights
                 for key, value in counts.items():
                     corrected[key] += value
                 total += float(loss.sum())
-                mask = inputs["mask"] if "mask" in inputs else np.ones(n)
+                mask = inputs["mask"] if "mask" in inputs else np.ones(end - start)
                 if ref_np is not None:
-                    kl, dkl = reference_kl(logp_np[offset:offset + n], ref_np[offset:offset + n],
-                                           settings.kl_estimator)
+                    kl, dkl = reference_kl(lp, ref_np[start:end], settings.kl_estimator)
                     kl_total += float((mask * kl).sum())
                     dlogp = dlogp + settings.kl_coef * mask * dkl
                 grads.append(dlogp)
                 masks.append(mask)
-                outputs[i] = {"logprobs": TensorData.from_numpy(logp_np[offset:offset + n]),
-                              "elementwise_loss": TensorData.from_numpy(loss.astype(np.float32))}
-                offset += n
+                for j in part:
+                    a, b = offsets[j] - start, offsets[j + 1] - start
+                    outputs[group[j]] = {"logprobs": TensorData.from_numpy(lp[a:b]),
+                                         "elementwise_loss": TensorData.from_numpy(loss[a:b].astype(np.float32))}
             weights = None
             if ent is not None:
                 weights = torch.from_numpy(np.concatenate(masks).astype(np.float32)).to(self.device)
@@ -431,7 +448,7 @@ def build(config: Any, model_path: str | None) -> TorchTrainer:
     args = engine_args(config)
     return TorchTrainer(model_path, device=pick_device(config), compute_dtype=torch_dtype(config),
                         max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"],
-                        tree_min_prefix=args["tree_min_prefix"])
+                        tree_min_prefix=args["tree_min_prefix"], threads_share=threads_share(config))
 
 
 def build_beside_scripted(config: Any, model_path: str | None) -> TorchTrainer:

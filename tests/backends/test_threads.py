@@ -36,6 +36,17 @@ def test_the_decision(env, cpus, expected):
     assert decision.why  # always says why
 
 
+@pytest.mark.parametrize("env, cpus, default, expected", [
+    ({}, 2, 2, 1),  # a small machine: one thread each for the sampler and the trainer
+    ({}, 16, 16, 8),  # a big host: torch's own count, halved
+    ({"OMP_NUM_THREADS": "6"}, 16, 6, 3),  # the user's count, halved
+    ({"RLENGINE_TORCH_THREADS": "3"}, 16, 16, 3),  # the override applies to each thread
+])
+def test_training_beside_sampling_splits_the_count_between_the_two_compute_threads(env, cpus, default, expected):
+    assert threads.per_thread(threads.decide(env, cpus), 2, default) == expected
+    assert threads.per_thread(threads.decide(env, cpus), 1, default) == threads.decide(env, cpus).threads
+
+
 @pytest.mark.parametrize("raw", ["0", "-1", "two", "1.5"])
 def test_a_bad_override_is_refused(raw):
     with pytest.raises(ConfigurationError, match="RLENGINE_TORCH_THREADS"):

@@ -30,7 +30,7 @@ from rlengine.rl.run import train
 # Small enough for seconds: 3 steps of 4 groups of 4, the recipe's 8 substeps and entropy bonus kept.
 SMALL = {"steps": "3", "groups_per_batch": "4", "group_size": "4", "eval_every": "0", "checkpoint_every": "0",
          "backend": "torch"}
-TIMINGS = {"tokens_per_s", "step_time_s", "train_time_s", "sampler_idle_frac", "time_s"}
+TIMINGS = {"tokens_per_s", "step_time_s", "train_time_s", "sampler_idle_frac", "trainer_busy_frac", "time_s"}
 
 
 class Calls:

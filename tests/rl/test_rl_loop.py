@@ -92,9 +92,10 @@ def test_running_out_of_data_before_the_requested_steps_is_an_error(tmp_path):
 
 
 def test_a_slow_group_goes_stale_is_resampled_and_no_trained_group_exceeds_the_bound(tmp_path):
+    """Without ``reproducible``, a batch samples whatever policy is loaded when it runs (within k)."""
     k = 1
     outcome, _, _ = run_sim(tmp_path, batches=20, max_steps_off_policy=k, slow_group=5, slow_s=0.6,
-                            step_time_s=0.002)
+                            step_time_s=0.002, reproducible=False)
     assert outcome.error is None
     ledger = records(tmp_path, "groups.jsonl")
     stale = [e for e in ledger if e["disposition"] == "resampled_stale"]
@@ -110,10 +111,26 @@ def test_a_slow_group_goes_stale_is_resampled_and_no_trained_group_exceeds_the_b
     assert sorted(groups) == list(range(80)) and all(len(d) == 1 for d in groups.values())
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_reproducible_run_samples_each_batch_exactly_k_policies_behind_whatever_the_timing(tmp_path, k):
+    """The fixed-lag schedule: batch b samples policy max(0, b - k) (0-based batches, one update
+    per step), a slow group included (it delays an install, it never goes stale), and training
+    runs beside sampling on the engine's training lane."""
+    outcome, _, _ = run_sim(tmp_path, batches=12, max_steps_off_policy=k, slow_group=5, slow_s=0.4,
+                            step_time_s=0.002, delay_jitter=3, env_delay_s=0.002)
+    assert outcome.error is None
+    ledger = records(tmp_path, "groups.jsonl")
+    assert not [e for e in ledger if e["disposition"] == "resampled_stale"]
+    trained = [e for e in ledger if e["disposition"] == "trained"]
+    assert len(trained) > 36  # (groups of one constant reward are dropped)
+    for e in trained:
+        assert e["versions"] == [max(0, e["step"] - 1 - k)] * 2, e
+
+
 @pytest.mark.parametrize("minibatches", [2, 4])
 def test_the_stale_filter_applies_on_the_streaming_path(tmp_path, minibatches):
     outcome, _, _ = run_sim(tmp_path, batches=12, max_steps_off_policy=1, num_minibatches=minibatches,
-                            slow_group=6, slow_s=0.5, step_time_s=0.002)
+                            slow_group=6, slow_s=0.5, step_time_s=0.002, reproducible=False)
     assert outcome.error is None
     ledger = records(tmp_path, "groups.jsonl")
     assert [e["group"] for e in ledger if e["disposition"] == "resampled_stale"] == [6]

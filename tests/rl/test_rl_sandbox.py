@@ -297,7 +297,8 @@ def test_guess_recipe_learns_the_rules_within_20_steps(tmp_path, model_cache):
     assert invalid_last <= invalid_first / 2, [s["env/invalid"] for s in steps]
 
 
-_TIMING = ("sampler_idle_frac", "step_time_s", "time_s", "tokens_per_s", "train_time_s", "eval_time_s")
+_TIMING = ("sampler_idle_frac", "trainer_busy_frac", "step_time_s", "time_s", "tokens_per_s", "train_time_s",
+           "eval_time_s")
 """The only columns that may differ between two runs of one seed: they measure time."""
 
 
@@ -305,23 +306,34 @@ def _untimed(path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in _TIMING} for row in read_jsonl(str(path))]
 
 
+class _Killed(Exception):
+    """Ends a run as a kill would, one step after its checkpoint."""
+
+
 @pytest.mark.bitwise
-def test_guess_runs_of_one_seed_are_identical_whatever_the_timing_and_across_a_resume(tmp_path, model_cache):
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_guess_runs_of_one_seed_are_identical_whatever_the_timing_and_across_a_resume(tmp_path, model_cache, ahead):
     """Sandboxes that wait a random time before each guess reorder the engine's batches in
-    every run; the sampler (batch-invariant) and the trainer must not notice. Without
+    every run; the sampler (batch-invariant) and the trainer must not notice, nor a run that
+    samples a step ahead while it trains (``max_steps_off_policy=1``). Without
     ``reproducible`` (the torch backend's default batching) two such runs differ from the
     first step on (loss_sum -0.24224756 vs -0.24224665)."""
     settings = {"steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_every": 2, "think_s": 0.02,
-                "backend": "torch", "cache_dir": model_cache, "seed": 7}
+                "backend": "torch", "cache_dir": model_cache, "seed": 7, "max_steps_off_policy": ahead}
     runs = {}
     for name in ("a", "b"):
         outcome = train("guess", settings, run_dir=str(tmp_path / name))
         assert outcome.error is None, outcome.error
         runs[name] = tmp_path / name
-    # Stopped after a checkpoint at step 2, then resumed to the end.
-    stopped = train("guess", settings | {"steps": 2, "checkpoint_every": 2}, run_dir=str(tmp_path / "c"))
-    assert stopped.error is None, stopped.error
-    resumed = train(None, {"steps": 4}, run_dir=str(tmp_path / "c"), resume=True)
+
+    def kill(record: dict) -> None:
+        if record["step"] == 3:
+            raise _Killed
+
+    # Killed one step after a checkpoint at step 2 (with a batch sampled ahead in it), resumed.
+    killed = train("guess", settings | {"checkpoint_every": 2}, run_dir=str(tmp_path / "c"), on_step=kill)
+    assert isinstance(killed.error, _Killed), killed.error
+    resumed = train(None, {}, run_dir=str(tmp_path / "c"), resume=True)
     assert resumed.error is None and resumed.resumed_from == 2, resumed.error
     runs["c"] = tmp_path / "c"
     want = _untimed(runs["a"] / "metrics.jsonl")
@@ -331,7 +343,9 @@ def test_guess_runs_of_one_seed_are_identical_whatever_the_timing_and_across_a_r
     assert capabilities["batch_invariant"] and capabilities["kernel_check"]["ok"], capabilities
     evals = read_jsonl(str(runs["a"] / "eval.jsonl"))
     assert [e["step"] for e in evals] == [0, 2, 4]
-    assert all(e["version_min"] == e["version_max"] == e["step"] for e in evals), evals  # policy k only
+    # Evaluation k samples the policy of step k alone (a step that trained no group made none).
+    policy = {0: 0} | {r["step"]: r["version"] for r in want}
+    assert all(e["version_min"] == e["version_max"] == policy[e["step"]] for e in evals), evals
     for name in ("b", "c"):
         assert _untimed(runs[name] / "metrics.jsonl") == want, name  # every float, bitwise
         assert _untimed(runs[name] / "eval.jsonl") == _untimed(runs["a"] / "eval.jsonl"), name

@@ -72,6 +72,7 @@ from rlengine.backends.torch.runtime import (
     engine_args,
     load_causal_lm,
     pick_device,
+    threads_share,
     torch_dtype,
 )
 from rlengine.backends.torch.sampling import StopText, processed_log_softmax, sample_tokens
@@ -179,8 +180,8 @@ class TorchBackend:
     def __init__(self, model_path: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  prefill_tokens: int = 8192, batch_invariant: bool = False, processed: bool = False,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> None:
-        self.threads = configure_threads()
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads_share: int = 1) -> None:
+        self.threads = configure_threads(threads_share)
         self.device = device or torch.device("cpu")
         self.dtype = dtype
         self.model_path = model_path
@@ -590,4 +591,5 @@ def build(config: Any, model_path: str | None) -> TorchBackend:
     return TorchBackend(model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"],
                         batch_invariant=args["batch_invariant"], prefix_cache_bytes=args["prefix_cache_bytes"],
-                        processed=getattr(config, "logprobs_mode", "raw") == "processed")
+                        processed=getattr(config, "logprobs_mode", "raw") == "processed",
+                        threads_share=threads_share(config))

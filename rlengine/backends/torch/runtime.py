@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from rlengine.backends.torch.threads import decide
+from rlengine.backends.torch.threads import decide, per_thread
 from rlengine.errors import ConfigurationError
 
 __all__ = ["ENGINE_ARGS", "PREFIX_CACHE_BYTES", "SUPPORTED_ARCHITECTURES", "configure_threads", "engine_args",
-           "load_causal_lm", "pick_device", "torch_dtype"]
+           "load_causal_lm", "pick_device", "threads_share", "torch_dtype"]
 
 # Architectures whose decoder layers the torch backend runs itself (Llama-style
 # attention: q/k/v/o projections, RoPE, RMSNorm, gated MLP; Qwen3 adds q/k norms).
@@ -54,12 +54,22 @@ computed once (``rlengine.trainer.tree``); 0 turns them off;
 start with them; 0 turns it off; ``backends.torch.prefix_cache``)."""
 
 
-def configure_threads() -> int:
-    """Apply the thread decision (``threads.decide``) to the calling thread; returns the count in force."""
-    decision = decide()
-    if decision.threads is not None:
-        torch.set_num_threads(decision.threads)
+def configure_threads(share: int = 1) -> int:
+    """Apply the thread decision (``threads.decide``) to the calling thread; returns the count in force.
+
+    ``share``: how many compute threads run torch at once (2 when training runs beside sampling,
+    ``EngineConfig.train_concurrently``); a decided count is split between them, so together they
+    never oversubscribe the machine. An explicit ``RLENGINE_TORCH_THREADS`` is per thread."""
+    threads = per_thread(decide(), share, torch.get_num_threads())
+    if threads is not None:
+        torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def threads_share(config: Any) -> int:
+    """The compute threads that run torch at once under ``config``: 2 when training runs beside
+    sampling (``EngineConfig.train_concurrently``), else 1."""
+    return 1 if getattr(config, "train_concurrently", "off") == "off" else 2
 
 
 def engine_args(config: Any) -> dict[str, Any]:

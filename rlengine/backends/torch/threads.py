@@ -11,6 +11,11 @@ choice. ``decide`` picks, in order:
 * else 1 thread on machines with at most 4 usable CPUs;
 * else torch's own choice.
 
+When training runs beside sampling (``EngineConfig.train_concurrently``) two
+compute threads run torch at once; ``configure_threads(share=2)`` gives each
+half of the decided count (at least one), and an explicit
+``RLENGINE_TORCH_THREADS`` applies to each of them.
+
 ``rlengine.backends.torch.runtime.configure_threads`` applies the decision on
 the engine's compute thread (the setting is per thread under OpenMP, and
 every torch op of the engine runs there, vLLM's CPU model included);
@@ -26,7 +31,7 @@ from typing import NamedTuple
 
 from rlengine.errors import ConfigurationError
 
-__all__ = ["SMALL_MACHINE_CPUS", "THREAD_VARIABLES", "ThreadDecision", "decide", "usable_cpus"]
+__all__ = ["SMALL_MACHINE_CPUS", "THREAD_VARIABLES", "ThreadDecision", "decide", "per_thread", "usable_cpus"]
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """The environment variables that carry a thread setting; child processes that get a scrubbed
@@ -39,6 +44,8 @@ class ThreadDecision(NamedTuple):
     threads: int | None
     """The intra-op thread count to set; None leaves torch's own choice."""
     why: str
+    explicit: bool = False
+    """Set by ``RLENGINE_TORCH_THREADS``: per compute thread, never split."""
 
 
 def usable_cpus() -> int:
@@ -59,7 +66,7 @@ def decide(environ: Mapping[str, str] | None = None, cpus: int | None = None) ->
             n = 0
         if n < 1:
             raise ConfigurationError(f"RLENGINE_TORCH_THREADS={raw!r}: must be an integer >= 1")
-        return ThreadDecision(n, f"RLENGINE_TORCH_THREADS={raw}")
+        return ThreadDecision(n, f"RLENGINE_TORCH_THREADS={raw}", explicit=True)
     omp = env.get(THREAD_VARIABLES[0], "").strip()
     if omp:
         return ThreadDecision(None, f"OMP_NUM_THREADS={omp} is set: torch's own choice")
@@ -68,3 +75,12 @@ def decide(environ: Mapping[str, str] | None = None, cpus: int | None = None) ->
         return ThreadDecision(1, f"{cpus} usable CPUs (<= {SMALL_MACHINE_CPUS}): one intra-op thread "
                                  "(two were measured 15-30x slower on 2 vCPUs); RLENGINE_TORCH_THREADS=N overrides")
     return ThreadDecision(None, f"{cpus} usable CPUs: torch's own choice")
+
+
+def per_thread(decision: ThreadDecision, share: int, default: int) -> int | None:
+    """The count for each of ``share`` compute threads running torch at once (``default``: torch's
+    own count): a decided or default count split between them (at least one each), an explicit
+    ``RLENGINE_TORCH_THREADS`` kept; None (one thread alone: torch's own choice) left as it is."""
+    if share <= 1 or decision.explicit:
+        return decision.threads
+    return max(1, (decision.threads if decision.threads is not None else default) // share)

@@ -32,6 +32,14 @@ spread, none is faster. On seeds 0-2, lr 1e-3 was slower in every mode;
 ``token_mean`` with lr 3e-3, or with clips 0 (none), 0.5 and 2.0, was
 slower too; and lr 5e-3 or 1e-2 never reached 0.9 in 200 steps in any mode.
 
+Sampling one step ahead while the step before trains
+(``max_steps_off_policy=1``; the run stays reproducible, batch b sampling
+policy b - 1 exactly) is an option, not the default: on two cores training
+is most of a step and shares them with the sampler, so a step took about as
+long (0.15-0.20 s either way), and seeds 0-2 reached 0.9 at steps 134, 81,
+129 one step ahead against 115, 148, 173 on-policy (bench/RESULTS.md, issue
+29): not a difference these seeds can tell.
+
 ``eval_size`` numbers (default 100 of the 1000) are held out of training; every ``eval_every`` steps
 they are answered greedily and scored with the same reward.
 
