@@ -17,7 +17,7 @@ TARGET_RATIO = 0.95
 
 
 def test_vllm_engine_overhead(benchmark, tmp_path_factory):
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
 
     config = EngineConfig(backend="vllm", model="tiny", cache_dir=str(tmp_path_factory.mktemp("cache")))
     result = {}

@@ -18,7 +18,7 @@ from typing import Any
 # only msgspec and the standard library) does not import the engine and numpy.
 _EXPORTS: dict[str, str] = {
     "SamplingClient": "rlengine.core.clients", "TrainingClient": "rlengine.core.clients",
-    "EngineConfig": "rlengine.core.config", "Placement": "rlengine.core.config", "SimConfig": "rlengine.core.config",
+    "EngineConfig": "rlengine.config", "Placement": "rlengine.config", "SimConfig": "rlengine.config",
     "Engine": "rlengine.core.engine",
     "RequestFuture": "rlengine.core.futures",
     "Lease": "rlengine.core.scheduler",

@@ -31,7 +31,7 @@ def info(kernels: bool = False) -> dict[str, Any]:
     batch-invariant kernel check (``rlengine info`` asks for it; it imports torch)."""
     import rlengine
     from rlengine.backends import available
-    from rlengine.core.config import continuous_sampling_from_env
+    from rlengine.config import continuous_sampling_from_env
 
     return {
         "rlengine": rlengine.__version__,
@@ -88,7 +88,7 @@ def _trie_implementation() -> str:
 def _auto_backend() -> dict[str, str | None]:
     """What ``backend="auto"`` resolves to here, and why."""
     from rlengine.backends import AUTO_ORDER, available, resolve_backend
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
     from rlengine.errors import ConfigurationError
 
     try:

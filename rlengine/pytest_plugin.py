@@ -40,7 +40,7 @@ import pytest
 if TYPE_CHECKING:
     import asyncio
 
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
     from rlengine.core.engine import Engine
     from rlengine.sandbox_client import Client, Session
     from rlengine.serve import ServeConfig, Server, SessionManager
@@ -62,7 +62,7 @@ def _engine_config(backend: str, model_cache: str, **overrides: Any) -> EngineCo
     A model backend (anything but ``sim``) builds and loads ``model="tiny"``
     (the default) from ``model_cache`` unless ``cache_dir`` is given.
     """
-    from rlengine.core.config import EngineConfig, SimConfig
+    from rlengine.config import EngineConfig, SimConfig
 
     sim = overrides.get("sim")
     if isinstance(sim, Mapping):

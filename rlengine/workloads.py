@@ -24,7 +24,7 @@ from typing import Any
 
 from rlengine.backends.base import BackendRequest
 from rlengine.backends.sim import SimBackend
-from rlengine.core.config import EngineConfig, SimConfig
+from rlengine.config import EngineConfig, SimConfig
 from rlengine.core.engine import Engine, new_event_loop
 from rlengine.seeding import mix_seed
 from rlengine.types import SamplingParams

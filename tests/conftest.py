@@ -39,7 +39,7 @@ def model_cache(rlengine_model_cache: str) -> str:
 def tiny_model(model_cache: str) -> str:
     """The directory of the default tiny model, built once into ``model_cache``."""
     from rlengine.backends.torch.models import prepare
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
 
     return prepare(EngineConfig(model="tiny", cache_dir=model_cache))
 
@@ -82,7 +82,7 @@ def engine_config(model_cache: str):
     enough to observe) and never stops early, like a model run with
     ``ignore_eos``.
     """
-    from rlengine.core.config import EngineConfig, SimConfig
+    from rlengine.config import EngineConfig, SimConfig
 
     def make(backend: str, **overrides):
         if backend == "sim":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.cookbook import from_cookbook
 from rlengine.rl.recipes import Recipe

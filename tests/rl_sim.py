@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from rlengine.core.config import EngineConfig, SimConfig
+from rlengine.config import EngineConfig, SimConfig
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.recipes import Recipe
 from rlengine.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StepResult

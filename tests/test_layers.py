@@ -25,7 +25,7 @@ CONTROL_PLANE = [
     "rlengine", "rlengine.errors", "rlengine.types", "rlengine.protocol", "rlengine.sandbox_client",
     "rlengine.render", "rlengine.trace", "rlengine.trace.store", "rlengine.trace.trie", "rlengine.core",
     "rlengine.core.engine", "rlengine.core.sampler", "rlengine.core.records", "rlengine.core.scheduler",
-    "rlengine.core.futures", "rlengine.core.compute", "rlengine.core.config", "rlengine.core.clients", "rlengine.seeding",
+    "rlengine.core.futures", "rlengine.core.compute", "rlengine.config", "rlengine.core.clients", "rlengine.seeding",
     "rlengine.serve",
     "rlengine.serve.server", "rlengine.serve.sessions", "rlengine.serve.ipc", "rlengine.serve.http",
     "rlengine.serve.router", "rlengine.rl", "rlengine.rl.loop", "rlengine.rl.run", "rlengine.rl.sandbox",
@@ -48,12 +48,15 @@ def test_the_import_contract_holds():
     assert "0 broken" in proc.stdout
 
 
-def test_the_import_contract_catches_a_backend_importing_the_core(tmp_path):
+@pytest.mark.parametrize("how", ["import", "typing_only"])
+def test_the_import_contract_catches_a_backend_importing_the_core(tmp_path, how):
     shutil.copytree(PACKAGE, tmp_path / "rlengine", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     base = tmp_path / "rlengine" / "backends" / "base.py"
-    base.write_text(base.read_text(encoding="utf-8") + "\nfrom rlengine.core.engine import Engine  # noqa\n",
-                    encoding="utf-8")
+    line = "from rlengine.core.engine import Engine  # noqa"
+    if how == "typing_only":  # a lower layer may not import a higher one for typing either
+        line = "import typing\nif typing.TYPE_CHECKING:\n    " + line
+    base.write_text(base.read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
     proc = _lint_imports(tmp_path, tmp_path)
     assert proc.returncode != 0
     assert "backends and trainers never import the core or serve BROKEN" in proc.stdout
@@ -135,3 +138,61 @@ def test_the_private_name_check_sees_each_kind_of_reach(tmp_path, snippet, expec
         assert found == []  # its own members, and those of its kind, through self
     else:
         assert len(found) == 1 and found[0].endswith(expected), found
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The rlengine modules a file imports at module level, typing-only imports included (not
+    those inside functions: a lazy import is how a module reaches up without a cycle at import)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.If):
+            nodes.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            nodes.extend(node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body])
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith("rlengine")}
+
+
+def test_no_two_modules_import_each_other():
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    graph = {name: {m for m in _module_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    cycles = []
+    for start in graph:  # a path back to ``start`` (depth-first; the graph has ~170 nodes)
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start and not start.startswith(tuple(f"{m}." for m in trail[1:])):
+                    cycles.append(trail)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+    # A package's __init__ importing its own submodules is not a cycle of two modules.
+    cycles = [c for c in cycles if not all(c[0].startswith(m + ".") or m.startswith(c[0] + ".") or m == c[0]
+                                           for m in c)]
+    assert cycles == [], cycles
+
+
+@pytest.mark.parametrize(("old", "new"), [("rlengine.core.config", "rlengine.config"),
+                                          ("rlengine.core.ray_replicas", "rlengine.backends.ray_replicas"),
+                                          ("rlengine.core.ray_trainer", "rlengine.trainer.ray_trainer")])
+def test_a_moved_module_old_path_warns_and_is_the_new_module(old, new):
+    code = ("import importlib, warnings, sys\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    old = importlib.import_module({old!r})\n"
+            f"print(old is sys.modules[{new!r}], [str(x.message) for x in w if x.category is DeprecationWarning])")
+    if new.endswith(("ray_replicas", "ray_trainer")):
+        pytest.importorskip("ray")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"True ['{old} moved to {new}; the old path goes in the next minor version']"

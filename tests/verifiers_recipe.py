@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import AgentProgram, HttpAgentEnv
 from rlengine.rl.config import TrainConfig, check_integer, check_number

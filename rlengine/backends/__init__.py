@@ -24,7 +24,7 @@ from rlengine.backends.base import Backend, BackendRequest, Capabilities, Reques
 from rlengine.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
 
 __all__ = [
     "SPECS",

@@ -33,7 +33,7 @@ from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
 from rlengine.seeding import mix_array
 
 if TYPE_CHECKING:
-    from rlengine.core.config import SimConfig
+    from rlengine.config import SimConfig
 
 __all__ = ["SimBackend", "decode_sim_token"]
 

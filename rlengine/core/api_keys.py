@@ -20,7 +20,7 @@ import os
 import secrets
 import stat
 
-from rlengine.core.config import is_loopback
+from rlengine.config import is_loopback
 from rlengine.errors import ConfigurationError
 
 __all__ = ["DrawnKey", "check_auth", "runtime_dir"]

@@ -13,7 +13,8 @@ sampler drained, or on the training lane beside sampling
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rlengine.core.futures import RequestFuture
 from rlengine.errors import InvalidRequest
@@ -32,16 +33,32 @@ from rlengine.types import (
     SaveWeightsResponse,
 )
 
-if TYPE_CHECKING:
-    from rlengine.core.engine import Engine
+__all__ = ["EngineCalls", "SamplingClient", "TrainingClient"]
 
-__all__ = ["SamplingClient", "TrainingClient"]
+
+class EngineCalls(Protocol):
+    """What the clients call on an ``Engine`` (it satisfies this; the clients never import it, so
+    the engine can hand them out without a cycle between the two modules)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def backend(self) -> Any: ...
+
+    def sample(self, prompt: Any, num_samples: int = 1, sampling_params: SamplingParams | None = None, *,
+               version: int | None = None, session_id: str | None = None,
+               include_prompt_logprobs: bool = False) -> RequestFuture[SampleResponse]: ...
+    def get_trainer(self) -> Any: ...
+    def submit_training(self, kind: str, run: Callable[[], Any]) -> RequestFuture[Any]: ...
+    def install_weights(self, weights: Callable[[], Any]) -> RequestFuture[int]: ...
 
 
 class SamplingClient:
     """Samples from the engine's sampler, pinned to one policy version or following the latest."""
 
-    def __init__(self, engine: Engine, version: int | None = None) -> None:
+    def __init__(self, engine: EngineCalls, version: int | None = None) -> None:
         self.engine = engine
         self.version = version
         """The pinned version; a request for it after a newer install fails with ``ModelNotLoaded``."""
@@ -82,7 +99,7 @@ class SamplingClient:
 class TrainingClient:
     """Forward/backward, optimizer steps, weight installs and state, in FIFO order."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineCalls) -> None:
         self.engine = engine
 
     @property

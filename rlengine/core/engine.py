@@ -37,8 +37,9 @@ import msgspec
 import numpy as np
 
 from rlengine.backends import SPECS, Backend, load, resolve_backend
+from rlengine.config import EngineConfig
+from rlengine.core.clients import SamplingClient, TrainingClient
 from rlengine.core.compute import ComputeThread
-from rlengine.core.config import EngineConfig
 from rlengine.core.futures import RequestFuture
 from rlengine.core.records import Entry, OnTokens, SampleSpec, new_blocking, new_lease, new_sample
 from rlengine.core.sampler import SamplerLoop
@@ -57,7 +58,6 @@ from rlengine.types import ModelInput, SampleResponse, SamplingParams, UnloadMod
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from rlengine.core.clients import SamplingClient, TrainingClient
 
 __all__ = ["Engine", "new_event_loop"]
 
@@ -211,7 +211,7 @@ class Engine:
                 raise ConfigurationError("placement.kind='ray': the replicas build their own backends "
                                          "(Engine(backend=...) is for placement 'local')")
             try:
-                from rlengine.core.ray_replicas import build as build_replicas  # imports Ray: only here
+                from rlengine.backends.ray_replicas import build as build_replicas  # imports Ray: only here
             except ImportError as exc:
                 raise ConfigurationError(f"placement.kind='ray' needs Ray ({exc}): pip install 'rlengine[ray]'") \
                     from None
@@ -235,7 +235,7 @@ class Engine:
                     raise ConfigurationError(f"placement.trainer_workers={self.config.placement.trainer_workers}: "
                                              f"the sharded trainer is the torch trainer; backend "
                                              f"{self._spec_name!r} trains with another")
-                from rlengine.core.ray_trainer import build as build_sharded  # imports Ray: only here
+                from rlengine.trainer.ray_trainer import build as build_sharded  # imports Ray: only here
 
                 self._trainer = build_sharded(self.config, self.model_path)
             else:
@@ -647,12 +647,8 @@ class Engine:
         return self.call_on_loop(self._started().write_off, lease_id)
 
     def training_client(self) -> TrainingClient:
-        from rlengine.core.clients import TrainingClient
-
         return TrainingClient(self)
 
     def sampling_client(self, version: int | None = None) -> SamplingClient:
         """A sampling client; ``version`` None follows whatever is loaded."""
-        from rlengine.core.clients import SamplingClient
-
         return SamplingClient(self, version)

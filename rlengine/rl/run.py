@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from rlengine.backends import resolve_backend
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine, new_event_loop
 from rlengine.errors import ConfigurationError
 from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl

@@ -73,7 +73,7 @@ def _value(raw: str) -> Any:
 
 def parse_settings(words: list[str]) -> tuple[Any, Any, int]:
     """``(EngineConfig, ServeConfig, replicas)`` from ``key=value`` words (``tinker.*`` ignored here)."""
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
     from rlengine.serve.server import ServeConfig
 
     engine_fields = set(EngineConfig.__struct_fields__)

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from rlengine.core.config import EngineConfig
+    from rlengine.config import EngineConfig
     from rlengine.core.engine import Engine
     from rlengine.tinker_api.config import TinkerServerConfig
     from rlengine.tinker_api.server import start_async

@@ -1,6 +1,6 @@
 """One rank of the sharded torch trainer: ``TorchTrainer`` with its model under FSDP2.
 
-``rlengine.core.ray_trainer`` runs N of these as Ray actors forming one
+``rlengine.trainer.ray_trainer`` runs N of these as Ray actors forming one
 torch.distributed group (gloo on the CPU, NCCL on CUDA) and gives each a
 contiguous part of every batch. Each rank holds its shard of every
 parameter, gradient and optimizer moment (``fully_shard`` on every decoder

@@ -39,7 +39,7 @@ from rlengine.trainer.losses import (
 from rlengine.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 
 if TYPE_CHECKING:
-    from rlengine.core.config import SimConfig
+    from rlengine.config import SimConfig
 
 __all__ = ["SimTrainer"]
 

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlengine.backends.torch import models
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 
 SMALL = {"vocab_size": 320, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,

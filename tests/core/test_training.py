@@ -17,7 +17,7 @@ import pytest
 
 import rlengine as rle
 from rlengine.backends.sim import SimBackend
-from rlengine.core.config import SimConfig
+from rlengine.config import SimConfig
 from rlengine.errors import ConfigurationError, EngineClosed
 
 WAIT = 30.0

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.advantages import trajectory_datums

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from rlengine.core.config import SimConfig
+from rlengine.config import SimConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
 from rlengine.rl.config import TrainConfig, convert

@@ -20,7 +20,7 @@ import pytest
 from serving import WAIT, Served, sim_config
 
 from rlengine.backends.torch.models import prepare_char_model
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.rl.advantages import trajectory_datums
 from rlengine.rl.errors import FailureBudgetExceeded

@@ -36,6 +36,7 @@ import tempfile
 import uuid
 from typing import Any
 
+from rlengine.config import TINY_DEFAULTS
 from rlengine.errors import ConfigurationError
 
 __all__ = ["CHAR_DEFAULTS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_DEFAULTS", "build_char_model", "build_tiny",
@@ -95,20 +96,6 @@ CHAT_TEMPLATE = (
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-TINY_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 1024,
-    "hidden_size": 128,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 384,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "init_std": 0.1,
-    "model_vocab_size": None,
-    "dtype": "float32",
-    "seed": 0,
-}
 # Bumped whenever build_tiny's output changes for the same parameters, so a
 # cache built by an older rlengine is not reused.
 _BUILD_FORMAT = 2

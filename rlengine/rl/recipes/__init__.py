@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.types import EnvGroupBuilder, RLDataset

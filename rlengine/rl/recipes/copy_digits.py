@@ -55,7 +55,7 @@ import msgspec
 import numpy as np
 
 from rlengine.backends.torch.models import prepare_char_model
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.recipes import Recipe, SeededBatches

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from rlengine.backends.torch.models import prepare_char_model
-from rlengine.core.config import EngineConfig
+from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig, check_integer, check_number
