@@ -16,6 +16,13 @@ structured outputs. ``output_constraint`` builds it from what the APIs say:
   ``auto`` tools: either the JSON or tool calls;
 * otherwise None: nothing is constrained.
 
+JSON under a constraint is compact by default: no free whitespace (the one
+layout ``json.dumps`` writes) and numbers of bounded length, so a forced call
+closes within its arguments' own length (``backends.grammar.json_layout``,
+which every backend compiles with). ``json_whitespace="any"`` (the request
+field of the same name on every endpoint) allows free whitespace instead; it
+travels as the structural tag's top-level ``json_whitespace``.
+
 Pure data: this module compiles nothing (the backend does, on its compute
 thread) and imports only the standard library and the errors.
 """
@@ -27,7 +34,7 @@ from typing import Any, Protocol
 
 from rlengine.errors import InvalidRequest
 
-__all__ = ["CallSyntax", "json_response", "output_constraint", "tool_choice"]
+__all__ = ["CallSyntax", "json_response", "json_whitespace", "output_constraint", "tool_choice"]
 
 
 class CallSyntax(Protocol):
@@ -82,6 +89,17 @@ def json_response(field: str, response_format: Any) -> Any:
     raise InvalidRequest(f"{field}.type", kind, "must be 'text', 'json_object' or 'json_schema'")
 
 
+def json_whitespace(value: Any) -> str:
+    """A request's ``json_whitespace``: ``compact`` (None: the default) or ``any``;
+    ``InvalidRequest`` naming ``json_whitespace`` for anything else."""
+    if value is None:
+        return "compact"
+    if value not in ("compact", "any"):
+        raise InvalidRequest("json_whitespace", value, "must be 'compact' (the default: no free whitespace in "
+                             "constrained JSON) or 'any'")
+    return value
+
+
 def _call_tags(syntax: CallSyntax, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     tags = []
     for tool in tools:
@@ -94,13 +112,14 @@ def _call_tags(syntax: CallSyntax, tools: list[dict[str, Any]]) -> list[dict[str
 
 
 def output_constraint(syntax: CallSyntax | None, tools: list[dict[str, Any]] | None, tool_choice: str,
-                      forced: str | None = None, *, parallel: bool = True, schema: Any = None) -> str | None:
+                      forced: str | None = None, *, parallel: bool = True, schema: Any = None,
+                      whitespace: str = "compact") -> str | None:
     """The structural tag (JSON text) for a request, or None when its output is free.
 
     ``tools`` are normalized OpenAI function tools (``render.normalize_tools``);
     ``tool_choice`` is ``"auto"``, ``"none"``, ``"required"`` or ``"function"``
     with ``forced`` naming it; ``schema`` is the JSON response's schema
-    (``json_response``) or None."""
+    (``json_response``) or None; ``whitespace`` is ``json_whitespace``'s value."""
     fmt: dict[str, Any] | None = None
     if tools and tool_choice != "none":
         if syntax is None:
@@ -123,4 +142,9 @@ def output_constraint(syntax: CallSyntax | None, tools: list[dict[str, Any]] | N
         raise InvalidRequest("tool_choice", "required", "needs tools")
     if fmt is None and schema is not None and (not tools or tool_choice == "none"):
         fmt = {"type": "json_schema", "json_schema": schema}
-    return None if fmt is None else json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    if fmt is None:
+        return None
+    tag: dict[str, Any] = {"type": "structural_tag", "format": fmt}
+    if json_whitespace(whitespace) == "any":
+        tag["json_whitespace"] = "any"
+    return json.dumps(tag, ensure_ascii=False)

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.backends.grammar import json_layout
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.types import MAX_TOP_LOGPROBS
 
@@ -133,8 +134,10 @@ class VLLMBackend:
             else 0 if request.prompt_logprobs else None,
             detokenize=bool(stop_strings),
             output_kind=self._delta if request.stream else self._final,
+            # Compact JSON, numbers bounded (``grammar.json_layout``): vLLM applies its own
+            # whitespace option to JSON schemas only, not inside a structural tag.
             structured_outputs=(None if p.constraint is None
-                                else self._structured_cls(structural_tag=p.constraint)),
+                                else self._structured_cls(structural_tag=json_layout(p.constraint))),
         )
         prompt = self._prompt_cls(prompt_token_ids=memoryview(request.prompt).cast("i").tolist())
         if p.top_logprobs:

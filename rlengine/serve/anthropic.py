@@ -82,6 +82,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True, frozen=True):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    json_whitespace: Any = None  # rlengine's: "any" allows free whitespace in constrained JSON
     session_id: str | None = None
     session_token: str | None = None
 
@@ -196,7 +197,8 @@ def to_chat(req: MessagesRequest) -> tuple[list[dict[str, Any]], list[dict[str, 
     params = SamplingParams(max_tokens=req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
                             stop=list(req.stop_sequences) if req.stop_sequences else None)
-    return _messages(req), _tools(req), _tool_use(req), params
+    tool_use = msgspec.structs.replace(_tool_use(req), json_whitespace=req.json_whitespace)
+    return _messages(req), _tools(req), tool_use, params
 
 
 def stop_details(choice: Choice, params: SamplingParams, decode: Callable[[list[int]], str]) -> tuple[str, str | None]:

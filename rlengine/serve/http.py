@@ -44,9 +44,12 @@ the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a retired
 session is 410 Gone.
 
 Handler cancellation is on: a client that disconnects mid-generation
-cancels its handler, which abandons the turn: a turn none of whose output
-was sent is aborted; one that streamed some is an unknown outcome, resolved
-by the session layer's policy (``SessionManager.abandon``). Bodies are
+cancels its handler, which abandons the turn (``SessionManager.abandon``):
+it is aborted and its lease settled, streamed or not, on every endpoint, so
+no install waits for it; a session whose stream had sent tokens is marked
+tainted. A named session must be proven: ``X-Session-ID`` (or the body's
+``session_id``) naming a session this server knows, with a missing or empty
+token, is refused (403 ``forbidden``, naming the token field). Bodies are
 decoded by one typed msgspec JSON decoder; anything it rejects is a 400
 naming the field.
 
@@ -70,7 +73,7 @@ from aiohttp import web
 
 from rlengine.constraints import json_response, tool_choice
 from rlengine.errors import ContextLengthExceeded, InvalidRequest
-from rlengine.protocol import BadMessage, Choice, SessionForbidden, Unsupported
+from rlengine.protocol import BadMessage, Choice, Unsupported
 from rlengine.render import TextStream
 from rlengine.serve import anthropic, responses
 from rlengine.serve.errors import HTTP_STATUS, to_serve_error
@@ -135,6 +138,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    json_whitespace: Any = None  # rlengine's: "any" allows free whitespace in constrained JSON
     session_id: str | None = None
     session_token: str | None = None
 
@@ -171,7 +175,7 @@ def _tool_use(req: ChatCompletionRequest) -> ToolUse:
     """``tool_choice``, ``parallel_tool_calls`` and ``response_format``, checked."""
     choice, forced = tool_choice(req.tool_choice)
     return ToolUse(choice=choice, forced=forced, parallel=req.parallel_tool_calls is not False,
-                   schema=json_response("response_format", req.response_format))
+                   schema=json_response("response_format", req.response_format), json_whitespace=req.json_whitespace)
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -306,30 +310,36 @@ class HttpServer:
         On a session's own base URL (``/sessions/<id>/v1``) the API key is the
         session's token (``Authorization: Bearer`` or ``x-api-key``). Elsewhere
         a session id (``X-Session-ID`` or the body's ``session_id``) with its
-        token (``X-Session-Token`` or ``session_token``) is a session turn; an
-        id without a token is only an affinity hint: a stateless turn, kept on
-        one replica, not traced."""
+        token (``X-Session-Token`` or ``session_token``) is a session turn. A
+        named session must be proven: a token field sent empty, or an id that
+        names a session of this server without its token, is refused
+        (``forbidden``), never served untraced. Only an id this server never
+        opened, sent without a token (harnesses that name their own rollouts
+        do), is an affinity hint: a stateless turn, kept on one replica."""
         path_id = request.match_info.get("session_id")
         if path_id is not None:
             auth = request.headers.get("Authorization", "")
             key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
-            return self.sessions.authorize(path_id, key), None
+            return self.sessions.authorize(path_id, key, "Authorization"), None
         session_id = request.headers.get("X-Session-ID") or session_id
-        token = request.headers.get("X-Session-Token") or token
+        header_token = request.headers.get("X-Session-Token")
+        field = "X-Session-Token" if header_token is not None or token is None else "session_token"
+        sent = header_token is not None or token is not None
+        token = header_token or token
         if session_id is None:
             return None, None
-        if token is None:
+        if not token and not sent and not self.sessions.known(session_id):
             return None, session_id
-        return self.sessions.authorize(session_id, token), None
+        return self.sessions.authorize(session_id, token, field), None
 
     def _path_session(self, request: web.Request) -> Session:
         token = request.headers.get("X-Session-Token")
+        field = "X-Session-Token"
         if token is None and request.path.startswith("/sessions/"):  # the session's own base URL
             auth = request.headers.get("Authorization", "")
             token = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
-        if token is None:
-            raise SessionForbidden("the X-Session-Token header is missing")
-        return self.sessions.authorize(request.match_info["session_id"], token)
+            field = "Authorization"
+        return self.sessions.authorize(request.match_info["session_id"], token, field)
 
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
         body = await request.read()

@@ -15,19 +15,21 @@ known); an oversize or zero-length frame gets ``Error`` and a clean close (the
 stream cannot be resynchronised); a truncated frame at EOF is dropped.
 
 Backpressure per connection: at most ``max_in_flight`` turns in flight (the
-server stops reading until replies go out; frames already read past the
-bound wait unparsed, so one large read cannot exceed it), and when the client stops
+server stops reading until replies go out; frames already read past the bound
+wait unparsed, so one large read cannot exceed it), and when the client stops
 reading (the transport's write buffer passes its high-water mark) the server
 stops reading its requests too; a client that stays stalled for
-``write_stall_timeout_s`` is disconnected. Bounded by construction: at most ``max_connections`` connections (one more
-is told ``unavailable`` and closed); incomplete frames of all connections
-together hold at most ``max_buffered_bytes`` (the connection that would pass
-it is closed), a frame must arrive whole within ``frame_timeout_s`` of its
-first byte, and a connection with no turn in flight that sends nothing for
-``idle_timeout_s`` is closed; a closed connection's buffer is freed at once.
-A connection that goes away with
-turns in flight abandons them: none of their output had reached it, so they
-are aborted (``SessionManager.abandon``) and the gate stays clean.
+``write_stall_timeout_s`` is disconnected. Bounded by construction: at most
+``max_connections`` connections (one more is told ``unavailable`` and closed);
+incomplete frames of all connections together hold at most
+``max_buffered_bytes`` (128 MiB by default: one budget for the server, not one
+per connection; the connection whose bytes pass it is told ``unavailable`` and
+closed, its buffer freed), a frame must arrive whole within
+``frame_timeout_s`` of its first byte, and a connection with no turn in flight
+that sends nothing for ``idle_timeout_s`` is closed; a closed connection's
+buffer is freed at once. A connection that goes away with turns in flight
+abandons them: none of their output had reached it, so they are aborted
+(``SessionManager.abandon``) and the gate stays clean.
 
 This module speaks the wire format only; what a request means is the
 session layer's business.
@@ -400,7 +402,7 @@ class IpcServer:
     def __init__(self, sessions: SessionManager, *, model_name: str, max_frame: int, max_in_flight: int = 256,
                  write_high_water: int = 4 << 20, write_stall_timeout_s: float = 30.0, max_connections: int = 1024,
                  idle_timeout_s: float = 600.0, frame_timeout_s: float = 30.0,
-                 max_buffered_bytes: int = 256 << 20) -> None:
+                 max_buffered_bytes: int = 128 << 20) -> None:
         self.sessions = sessions
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s

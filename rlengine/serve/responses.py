@@ -74,6 +74,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, frozen=True):
     text: _Text | None = None
     stream: bool = False
     previous_response_id: str | None = None
+    json_whitespace: Any = None  # rlengine's: "any" allows free whitespace in constrained JSON
     session_id: str | None = None
     session_token: str | None = None
 
@@ -158,7 +159,7 @@ def _tool_use(req: ResponsesRequest) -> ToolUse:
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # the Responses layout: schema at the top
         fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema", {"type": "object"})}}
     return ToolUse(choice=choice, forced=forced, parallel=req.parallel_tool_calls is not False,
-                   schema=json_response("text.format", fmt))
+                   schema=json_response("text.format", fmt), json_whitespace=req.json_whitespace)
 
 
 def to_chat(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolUse,

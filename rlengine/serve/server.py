@@ -87,9 +87,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """An IPC connection with no turn in flight that sends nothing for this long is closed."""
     frame_timeout_s: float = 30.0
     """An IPC frame must arrive whole within this long of its first byte."""
-    max_buffered_bytes: int = 256 << 20
-    """Bytes the IPC connections' incomplete frames may hold together (beyond it, the
-    connection that would exceed it is closed)."""
+    max_buffered_bytes: int = 128 << 20
+    """Bytes the IPC connections' incomplete frames may hold together, one budget for all of them
+    (beyond it, the connection that would exceed it is told ``unavailable`` and closed)."""
     tombstone_ttl_s: float = 3600.0
     max_tombstones: int = 100_000
     trace_max_bytes: int = DEFAULT_MAX_BYTES
@@ -107,9 +107,6 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_closed_sessions: int = 10_000
     """Closed sessions' traces kept at most, the oldest freed first (and, oldest first, whenever
     the trace store is 90 % full)."""
-    unknown_write_off_s: float = 30.0
-    """How long a turn whose client vanished after output reached it (an unknown outcome)
-    may block weight installs before it is written off; its session is marked tainted."""
     grace_s: float = 5.0
     """On shutdown, how long turns in flight may finish before they are aborted."""
     tool_parser: str | None = None
@@ -129,7 +126,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
         if self.max_frame > 0xFFFFFFFF:
             raise ConfigurationError(f"max_frame={self.max_frame}: must be < 2**32 (4-byte frame header)")
-        for name in ("write_stall_timeout_s", "tombstone_ttl_s", "unknown_write_off_s", "idle_timeout_s",
+        for name in ("write_stall_timeout_s", "tombstone_ttl_s", "idle_timeout_s",
                      "frame_timeout_s", "idle_session_ttl_s", "closed_session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
@@ -219,7 +216,6 @@ class Server:
         self.sessions = SessionManager(self.router, self.store, renderer,
                                        parser_for(template if isinstance(template, str) else None,
                                                   self.config.tool_parser),
-                                       unknown_write_off_s=self.config.unknown_write_off_s,
                                        retention=self.config.retention,
                                        share="sessions" if self.config.trace_share_prompts else None)
         cfg = self.config

@@ -27,14 +27,15 @@ A turn is recorded when it completes, in one loop callback: a rejected or
 aborted turn records nothing. (One exception: if the trace store's memory
 bound is reached between storing a turn's prompt and its sampled tokens,
 the prompt stays, a branch with nothing to train on; the client gets
-``unavailable``.) A turn whose client went away mid-generation resolves by
-policy, without an operator (``abandon``): if nothing of it had reached the
-client (no reply sent, nothing streamed) it is aborted like any other turn
-and records nothing; if output may have reached the client, its outcome is
-unknown: its lease poisons the gate (no weight install while it could still
-change what is recorded), its session is marked ``tainted`` (the trace says
-so), and the lease is written off automatically ``unknown_write_off_s``
-later, or when the session is retired, whichever is first.
+``unavailable``.) A turn whose client went away mid-generation
+(``abandon``) is aborted at once, on every wire alike: it records nothing,
+and its lease settles as aborted in the same loop callback, so the gate is
+never poisoned by it and the next weight install goes ahead. If output may
+have reached the client first (a streamed turn), its session is marked
+``tainted``: the client may have seen, and may build on, tokens the trace
+lacks. (Nothing about that turn can still change what is recorded, which is
+what a poisoned gate guards against: the backend stops generating it in the
+same callback.)
 
 Loop thread only (the engines' loop), like the trace store under it, with
 one exception: a chat turn of ``_OFFLOAD_CHARS`` characters or more is
@@ -64,7 +65,7 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from rlengine.constraints import output_constraint
+from rlengine.constraints import json_whitespace, output_constraint
 from rlengine.core.futures import RequestFuture
 from rlengine.errors import ConfigurationError, ContextLengthExceeded, InvalidRequest
 from rlengine.protocol import (
@@ -159,6 +160,8 @@ class ToolUse(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """False: at most one call is returned (and forced)."""
     schema: Any = None
     """A JSON response's schema (``constraints.json_response``), or None for text."""
+    json_whitespace: Any = None
+    """The request's ``json_whitespace`` (``constraints.json_whitespace``): None or ``compact``, ``any``."""
 
 
 _FREE = ToolUse()
@@ -209,7 +212,6 @@ class Session:
         "token",
         "transforms",
         "turns",
-        "unknown_leases",
     )
 
     def __init__(self, session_id: str, token: str, root: int) -> None:
@@ -225,8 +227,6 @@ class Session:
         """Likewise -> the transform of its logprobs, for completions with processed ones."""
         self.in_flight: dict[str, int] = {}
         """request id -> replica, for turns not yet settled."""
-        self.unknown_leases: list[tuple[int, int]] = []
-        """(replica, lease id) of turns abandoned mid-generation."""
         self.turns = 0
         self.retired = False
         self.constrained: set[str] = set()
@@ -272,14 +272,12 @@ class SessionManager:
     """Sessions over the replicas of ``router``, traced in ``store``. Loop thread only."""
 
     def __init__(self, router: SessionRouter, store: TraceStore, renderer: ChatRenderer | None,
-                 tool_parser: ToolParser | None = None, unknown_write_off_s: float = 30.0,
-                 retention: Retention | None = None, share: str | None = None) -> None:
+                 tool_parser: ToolParser | None = None, retention: Retention | None = None,
+                 share: str | None = None) -> None:
         self.router = router
         self.share = share
         """The trace store's share key of every session opened here (None: each a tree of its own)."""
         self.retention = retention or Retention()
-        self.unknown_write_off_s = unknown_write_off_s
-        """How long an abandoned turn's unknown outcome may poison the gate before it is written off."""
         self.store = store
         self.renderer = renderer
         self.tool_parser = tool_parser
@@ -319,20 +317,28 @@ class SessionManager:
         self._live[session_id] = session
         return session
 
-    def authorize(self, session_id: Any, token: Any) -> Session:
-        """The live session ``session_id`` if ``token`` is its token; raises otherwise."""
+    def authorize(self, session_id: Any, token: Any, field: str = "token") -> Session:
+        """The live session ``session_id`` if ``token`` is its token; raises otherwise
+        (``field``: what the wire calls the token, for the message)."""
         session = self._live.get(session_id) if isinstance(session_id, str) else None
         if session is None:
             if isinstance(session_id, str) and (session_id in self._retired or self.router.is_gone(session_id)):
                 raise SessionGone(f"session_id={session_id!r}: the session was closed or retired")
             raise SessionNotFound(f"session_id={session_id!r}: no such session")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), session.token.encode()):
-            raise SessionForbidden(f"session_id={session_id!r}: missing or wrong session token")
+        if not isinstance(token, str) or not token:
+            raise SessionForbidden(f"{field}={token!r}: session_id={session_id!r} names a session, and a session's "
+                                   "requests must carry its token")
+        if not hmac.compare_digest(token.encode(), session.token.encode()):
+            raise SessionForbidden(f"{field}: not the token of session_id={session_id!r}")
         return session
 
+    def known(self, session_id: str) -> bool:
+        """``session_id`` names a session opened here (live, or retired and still remembered)."""
+        return session_id in self._live or session_id in self._retired or self.router.is_gone(session_id)
+
     def retire(self, session_id: str) -> None:
-        """End a session: turns in flight are aborted (not recorded), abandoned turns
-        written off, later requests get ``gone``; its trace waits for ``collect``."""
+        """End a session: turns in flight are aborted (not recorded), later requests
+        get ``gone``; its trace waits for ``collect``."""
         session = self._live.pop(session_id, None)
         if session is None:
             if session_id in self._retired:
@@ -343,7 +349,6 @@ class SessionManager:
         self._retired[session_id] = session
         for request_id, replica in list(session.in_flight.items()):
             self.router.engines[replica].abort(request_id)
-        self.write_off(session)
         self.router.retire(session_id)
 
     def close(self, session: Session) -> None:
@@ -402,13 +407,6 @@ class SessionManager:
     def live(self) -> list[str]:
         return list(self._live)
 
-    def write_off(self, session: Session) -> int:
-        """Settle the session's abandoned turns (un-poisons the gate for them); returns how many."""
-        leases, session.unknown_leases = session.unknown_leases, []
-        for replica, lease_id in leases:
-            self.router.engines[replica].write_off(lease_id)
-        return len(leases)
-
     # -- turns ----------------------------------------------------------------------------
 
     @property
@@ -452,7 +450,8 @@ class SessionManager:
         parser = self.tool_parser if tools and tool_use.choice != "none" else None
         one_tool_call = not tool_use.parallel
         constraint = output_constraint(self.tool_parser, tools, tool_use.choice, tool_use.forced,
-                                       parallel=tool_use.parallel, schema=tool_use.schema)
+                                       parallel=tool_use.parallel, schema=tool_use.schema,
+                                       whitespace=json_whitespace(tool_use.json_whitespace))
         if constraint is not None:
             params = msgspec.structs.replace(params, constraint=constraint)
 
@@ -686,12 +685,9 @@ class SessionManager:
         return end
 
     def abandon(self, request_id: str, reason: str, *, output_sent: bool = False) -> None:
-        """The client of turn ``request_id`` went away before its reply (see the module docstring).
-
-        ``output_sent`` False (no reply and nothing streamed had reached it): the
-        turn is aborted, records nothing and poisons nothing. True: its outcome
-        is unknown: the lease poisons the gate, the session is tainted, and the
-        lease is written off after ``unknown_write_off_s`` (or at retirement)."""
+        """The client of turn ``request_id`` went away before its reply (see the module docstring):
+        the turn is aborted (nothing recorded, its lease settled, the gate clean); with
+        ``output_sent`` (something streamed may have reached the client) its session is tainted."""
         if request_id in self._preparing:
             self._drop_preparing(request_id)  # not submitted yet: nothing can have reached the client
             return
@@ -699,25 +695,10 @@ class SessionManager:
         if entry is None:
             return
         replica, session = entry
-        engine = self.router.engines[replica]
-        if not output_sent or session is None or session.retired:
-            # Nothing reached the client, or nothing is recorded for it (a stateless
-            # turn): what it could have seen changes no trace.
-            engine.abort(request_id)
-            return
-        session.tainted = True
-
-        def poisoned(f: RequestFuture[int | None]) -> None:
-            lease_id = f.result(0) if f.exception(0) is None else None
-            if lease_id is None:
-                return
-            if session.retired:
-                engine.write_off(lease_id)
-                return
-            session.unknown_leases.append((replica, lease_id))
-            asyncio.get_running_loop().call_later(self.unknown_write_off_s, self._expire, session, replica, lease_id)
-
-        engine.abandon(request_id, reason).add_done_callback(poisoned)
+        if output_sent and session is not None and not session.retired:
+            session.tainted = True
+        log.debug("rlengine.serve: turn %s abandoned: %s", request_id, reason)
+        self.router.engines[replica].abort(request_id)
 
     def unknown_leases(self) -> list[dict[str, Any]]:
         """Every lease with an unknown outcome, on every replica (for operators)."""
@@ -726,21 +707,11 @@ class SessionManager:
                 for replica, engine in enumerate(self.router.engines) for lease in engine.gate.unknown_leases()]
 
     def write_off_lease(self, replica: int, lease_id: int) -> RequestFuture[Any]:
-        """An operator gives up on one unknown outcome now (before its deadline)."""
+        """An operator gives up on one unknown outcome now (a lease marked unknown by an embedder
+        or a failing replica: client disconnects never leave one)."""
         if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < len(self.router.engines):
             raise InvalidRequest("replica", replica, f"must be in [0, {len(self.router.engines)})")
-        for session in self._live.values():
-            if (replica, lease_id) in session.unknown_leases:
-                session.unknown_leases.remove((replica, lease_id))
         return self.router.engines[replica].write_off(lease_id)
-
-    def _expire(self, session: Session, replica: int, lease_id: int) -> None:
-        """The deadline of an unknown outcome: write its lease off, if nothing did already."""
-        if (replica, lease_id) in session.unknown_leases:
-            session.unknown_leases.remove((replica, lease_id))
-            log.warning("rlengine.serve: lease %d of session %s had an unknown outcome for %.0f s; written off",
-                        lease_id, session.session_id, self.unknown_write_off_s)
-            self.router.engines[replica].write_off(lease_id)
 
     def abort_all(self) -> None:
         """Abort every turn in flight (shutdown): each settles as aborted, nothing recorded."""

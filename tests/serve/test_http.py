@@ -344,31 +344,35 @@ def test_a_client_gone_before_any_output_is_an_aborted_turn_and_installs_go_on(s
     assert served.on_loop(served.sessions.trace, served.on_loop(served.sessions.authorize, sid, token)).tainted is False
 
 
-@pytest.mark.parametrize("resolver", ["deadline", "operator"])
-def test_a_client_gone_mid_stream_taints_its_session_and_is_written_off_by_deadline(resolver):
-    s = Served([sim_config()], ServeConfig(unknown_write_off_s=0.5 if resolver == "deadline" else 600.0))
+def test_a_client_gone_mid_stream_taints_its_session_and_installs_go_on(served):
+    sid, token = open_session(served)
+    _start_and_vanish(served, sid, token, stream=True)
+    _wait(lambda: served.on_loop(lambda: served.sessions.in_flight) == 0)
+    assert served.on_loop(served.engines[0].gate.unknown_leases) == []  # aborted and settled
+    assert served.install(seed=23) >= 1
+    trace = oai(served).get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": {"X-Session-Token": token}})
+    assert trace["tainted"] is True and trace["trajectories"] == []  # tokens reached the client, none recorded
+    # The session itself goes on.
+    reply = oai(served).chat.completions.create(model="sim", messages=USER, max_tokens=2,
+                                                extra_headers={"X-Session-ID": sid, "X-Session-Token": token})
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_an_unknown_lease_is_listed_and_written_off_by_an_operator():
+    # Client disconnects leave none (above); an embedder that gives up on a turn does.
+    s = Served([sim_config()], ServeConfig(ipc=False))
     try:
-        sid, token = open_session(s)
-        _start_and_vanish(s, sid, token, stream=True)
-        gate = s.engines[0].gate
-        _wait(lambda: bool(s.on_loop(gate.unknown_leases)))
-        [lease] = s.on_loop(gate.unknown_leases)
-        assert lease.session_id == sid
-        with pytest.raises(rle.GatePoisoned):  # output reached the client: no install while it is unknown
+        engine = s.engines[0]
+        turn = s.on_loop(lambda: s.sessions.chat(None, USER, rle.SamplingParams(max_tokens=5000)))
+        _wait(lambda: engine.stats()["admitted"] >= 1)
+        lease_id = s.on_loop(lambda: engine.abandon(turn.request_id, "the embedder gave up").result(0))
+        [listed] = oai(s).get("/admin/leases", cast_to=object)["unknown"]
+        assert (listed["replica"], listed["lease_id"], listed["reason"]) == (0, lease_id, "the embedder gave up")
+        with pytest.raises(rle.GatePoisoned):
             s.install(seed=21)
-        trace = oai(s).get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": {"X-Session-Token": token}})
-        assert trace["tainted"] is True and trace["trajectories"] == []
-        if resolver == "operator":
-            [listed] = oai(s).get("/admin/leases", cast_to=object)["unknown"]
-            assert (listed["replica"], listed["lease_id"], listed["session_id"]) == (0, lease.lease_id, sid)
-            oai(s).post(f"/admin/leases/0/{lease.lease_id}/write_off", cast_to=object)
-        _wait(lambda: not s.on_loop(gate.unknown_leases))  # written off by the policy (or the operator)
-        assert s.on_loop(gate.unknown_leases) == []
+        oai(s).post(f"/admin/leases/0/{lease_id}/write_off", cast_to=object)
+        assert oai(s).get("/admin/leases", cast_to=object)["unknown"] == []
         assert s.install(seed=22) >= 1
-        # The session itself goes on.
-        reply = oai(s).chat.completions.create(model="sim", messages=USER, max_tokens=2,
-                                               extra_headers={"X-Session-ID": sid, "X-Session-Token": token})
-        assert reply.choices[0].finish_reason == "length"
     finally:
         s.close()
 

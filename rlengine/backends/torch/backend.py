@@ -276,7 +276,8 @@ class TorchBackend:
         if request.params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("sampling_params.stop", request.params.stop, "the model directory has no tokenizer")
         p = request.params
-        constrained = self.grammars.matcher(p.constraint) if p.constraint is not None else None
+        constrained = (self.grammars.matcher(p.constraint, budget=request.max_tokens) if p.constraint is not None
+                       else None)
         self._waiting[rid] = _Seq(request, prompt, self.vocab_size, self.eos_ids, self.tokenizer, constrained)
         self._active.add(rid)
 
