@@ -47,7 +47,8 @@ Handler cancellation is on: a client that disconnects mid-generation
 cancels its handler, which abandons the turn (``SessionManager.abandon``):
 it is aborted and its lease settled, streamed or not, on every endpoint, so
 no install waits for it; a session whose stream had sent tokens is marked
-tainted. A named session must be proven: ``X-Session-ID`` (or the body's
+tainted. A streaming client that keeps its connection but reads nothing for
+``write_stall_timeout_s`` is cut off and its turn abandoned alike. A named session must be proven: ``X-Session-ID`` (or the body's
 ``session_id``) naming a session this server knows, with a missing or empty
 token, is refused (403 ``forbidden``, naming the token field). Bodies are
 decoded by one typed msgspec JSON decoder; anything it rejects is a 400
@@ -209,8 +210,10 @@ class HttpServer:
     """The aiohttp application and its runner on the running loop."""
 
     def __init__(self, sessions: SessionManager, *, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 16 << 20) -> None:
+                 max_body_bytes: int = 16 << 20, write_stall_timeout_s: float = 30.0) -> None:
         self.sessions = sessions
+        self.write_stall_timeout_s = write_stall_timeout_s
+        """A streaming client whose socket takes nothing for this long is cut off (its turn abandoned)."""
         self.model_name = model_name
         self.api_key = api_key
         self.created = int(time.time())
@@ -549,20 +552,20 @@ class HttpServer:
         try:
             item = await self._first_tokens(fut, queue)
             await response.prepare(request)
-            await response.write(events.start())
+            await self._write(request, response, events.start())
             while item is not None:
                 index, ids = item
                 text = streams[index].push(ids)
                 if text:
-                    await response.write(events.text(index, text))
+                    await self._write(request, response, events.text(index, text))
                 item = await queue.get()
             exc = fut.exception(0)
             if exc is not None:
-                await response.write(events.error(to_serve_error(exc)))
+                await self._write(request, response, events.error(to_serve_error(exc)))
             else:
                 result = fut.result(0)
                 rests = [s.finish(c.text or "") for s, c in zip(streams, result.choices)]
-                await response.write(events.finish(result, rests))
+                await self._write(request, response, events.finish(result, rests))
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionError):
             if not fut.done():
@@ -570,6 +573,19 @@ class HttpServer:
                                       output_sent=response.prepared)
             raise
         return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """One event to a streaming client, bounded: a write waits only while the client's socket
+        takes nothing, at most ``write_stall_timeout_s``; then the connection is dropped and the
+        turn abandoned (``ConnectionResetError``), so a reader that stalls cannot hold its
+        handler, or the output queued for it, for as long as it keeps the connection."""
+        try:
+            await asyncio.wait_for(response.write(data), self.write_stall_timeout_s)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(f"the HTTP client read nothing for write_stall_timeout_s="
+                                       f"{self.write_stall_timeout_s} s") from None
 
     # -- Anthropic's Messages API -----------------------------------------------------------
 

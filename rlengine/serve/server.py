@@ -80,7 +80,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_in_flight: int = 256
     """Turns in flight per IPC connection before the server stops reading it."""
     write_stall_timeout_s: float = 30.0
-    """An IPC client that does not read its replies for this long is disconnected."""
+    """A client (IPC, or HTTP while streaming) that reads nothing of its replies for this long is
+    disconnected, its turns abandoned."""
     max_connections: int = 1024
     """IPC connections at most; one more is told ``unavailable`` and closed."""
     idle_timeout_s: float = 600.0
@@ -235,7 +236,8 @@ class Server:
                     self._drawn = DrawnKey("http", cfg.key_file)
                 self.api_key = self._drawn.key if self._drawn is not None else cfg.api_key
                 self.http = HttpServer(self.sessions, model_name=self.model_name, api_key=self.api_key,
-                                       max_body_bytes=cfg.max_body_bytes)
+                                       max_body_bytes=cfg.max_body_bytes,
+                                       write_stall_timeout_s=cfg.write_stall_timeout_s)
                 self.http_url = await self.http.start(cfg.host, cfg.port)
                 if self._drawn is not None:
                     self.key_file = self._drawn.write(self.http.port)

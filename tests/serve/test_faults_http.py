@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -185,3 +186,34 @@ def test_an_id_this_server_never_opened_is_still_only_an_affinity_hint(served):
                             {"X-Session-ID": "rollout-17"})
     assert status == 200 and "session_id" not in reply
     assert "rollout-17" not in served.on_loop(served.sessions.live)
+
+
+@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
+def test_a_stalled_streaming_reader_is_cut_off_and_its_turn_abandoned(endpoint):
+    """A client that keeps its connection but reads nothing must not hold a handler (and its
+    queued output) forever: after ``write_stall_timeout_s`` without progress the server drops
+    it and abandons the turn, as the IPC server does. (Before: the handler waited on the socket
+    for as long as the client lived, and the stream completed once it read again.)"""
+    # 100,000 tokens (~18 MB of events) outgrow every socket buffer on the way.
+    s = Served([sim_config(step_time_s=0.00002, max_model_len=120_000, gen_len=200_000)],
+               ServeConfig(ipc=False, write_stall_timeout_s=1.0))
+    try:
+        path, body = ENDPOINTS[endpoint]
+        url = urlparse(s.http_url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes back up
+        sock.settimeout(WAIT)
+        sock.connect((url.hostname, url.port))
+        data = json.dumps({**body(True), "max_tokens": 100_000, "max_output_tokens": 100_000}).encode()
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     f"Authorization: Bearer {s.api_key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for(lambda: in_flight(s) == 1)
+        wait_for(lambda: in_flight(s) == 0)  # abandoned ~1 s after the buffers fill
+        assert in_flight(s) == 0
+        received = b""
+        while chunk := sock.recv(1 << 16):  # the rest of what was sent, then the server's close
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received and b"message_stop" not in received
+        sock.close()
+    finally:
+        s.close()
