@@ -12,9 +12,17 @@ import importlib
 import sys
 import warnings
 
+MOVED = {
+    "rlengine.core.config": "rlengine.config",
+    "rlengine.core.ray_replicas": "rlengine.backends.ray_replicas",
+    "rlengine.core.ray_trainer": "rlengine.trainer.ray_trainer",
+}
+"""Old module path -> new one (0.1 -> 0.2; the aliases go in 0.3)."""
 
-def alias(old: str, new: str) -> None:
-    """Make the module ``old`` (being imported now) an alias of ``new``."""
+
+def alias(old: str) -> None:
+    """Make the module ``old`` (being imported now) an alias of where it moved."""
+    new = MOVED[old]
     warnings.warn(f"{old} moved to {new}; the old path goes in the next minor version", DeprecationWarning,
                   stacklevel=3)
     sys.modules[old] = importlib.import_module(new)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from rlengine._moved import MOVED
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rlengine"
 
@@ -181,9 +183,7 @@ def test_no_two_modules_import_each_other():
     assert cycles == [], cycles
 
 
-@pytest.mark.parametrize(("old", "new"), [("rlengine.core.config", "rlengine.config"),
-                                          ("rlengine.core.ray_replicas", "rlengine.backends.ray_replicas"),
-                                          ("rlengine.core.ray_trainer", "rlengine.trainer.ray_trainer")])
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
 def test_a_moved_module_old_path_warns_and_is_the_new_module(old, new):
     code = ("import importlib, warnings, sys\n"
             "with warnings.catch_warnings(record=True) as w:\n"

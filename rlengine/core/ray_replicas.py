@@ -2,4 +2,4 @@
 
 from rlengine._moved import alias
 
-alias(__name__, "rlengine.backends.ray_replicas")
+alias(__name__)

@@ -2,4 +2,4 @@
 
 from rlengine._moved import alias
 
-alias(__name__, "rlengine.trainer.ray_trainer")
+alias(__name__)
