@@ -32,7 +32,8 @@ CONTROL_PLANE = [
     "rlengine.serve.server", "rlengine.serve.sessions", "rlengine.serve.ipc", "rlengine.serve.http",
     "rlengine.serve.router", "rlengine.rl", "rlengine.rl.loop", "rlengine.rl.run", "rlengine.rl.sandbox",
     "rlengine.backends", "rlengine.backends.sim", "rlengine.backends.torch", "rlengine.backends.torch.models",
-    "rlengine.trainer.sim", "rlengine.workloads", "rlengine.cli",
+    "rlengine.trainer.sim", "rlengine.workloads", "rlengine.cli", "rlengine.signals", "rlengine.rl.sandbox_pool",
+    "rlengine.rl.sandbox_worker",
 ]
 
 

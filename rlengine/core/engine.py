@@ -184,7 +184,26 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._loop_ident = threading.get_ident()
         self._compute = ComputeThread()
-        self._backend = await self._compute.submit(loop, self._build_backend)
+        made: list[Backend] = []
+
+        def build() -> Backend:
+            made.append(self._build_backend())
+            return made[0]
+
+        def close_unowned() -> None:
+            for backend in made:
+                if backend is not self._given_backend:
+                    with contextlib.suppress(Exception):
+                        backend.close()
+
+        try:
+            self._backend = await self._compute.submit(loop, build)
+        except asyncio.CancelledError:
+            # Start-up cancelled mid-build (a stop signal): the build runs on; the backend it makes,
+            # which nobody will own, is closed after it on the same thread, and the thread then ends.
+            self._compute.submit(loop, close_unowned)
+            self._compute.stop(0)
+            raise
         self._sampler = SamplerLoop(self._backend, self._compute, continuous=self.config.resolved_continuous(),
                                     drain_policy=self.config.drain_policy,
                                     drain_timeout_s=self.config.drain_timeout_s, seed=self.config.seed)

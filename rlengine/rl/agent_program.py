@@ -39,7 +39,7 @@ import tempfile
 from typing import Any
 
 from rlengine.errors import RLEngineError
-from rlengine.rl.sandbox import not_dumpable, serve_job_lines
+from rlengine.rl.sandbox_worker import die_with_parent, not_dumpable, serve_job_lines
 
 _KEEP = 1 << 20
 
@@ -67,15 +67,6 @@ def _result(stdout: bytes) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: killed when the worker dies (PR_SET_PDEATHSIG), so a crashed
-    or killed worker leaves no program running (Linux; elsewhere a no-op)."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 async def run_program(spec: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """One episode: the program with the job's session, until it exits or its bound passes."""
     fields = {"base_url": job["base_url"], "session_id": job["session"], "seed": job["seed"],
@@ -92,7 +83,7 @@ async def run_program(spec: dict[str, Any], job: dict[str, Any]) -> dict[str, An
     proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                 cwd=workdir, env=env, start_new_session=True,
-                                                preexec_fn=_die_with_parent)
+                                                preexec_fn=die_with_parent)
     try:
         assert proc.stdout is not None and proc.stderr is not None
         out, err, code = await asyncio.gather(_drain(proc.stdout), _drain(proc.stderr), proc.wait())

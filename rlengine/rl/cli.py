@@ -8,7 +8,11 @@
   error is printed with the stage it came from);
 * 2 - a configuration error, or a ``--train-from`` directory whose
   ``meta.json`` cannot be read (nothing was started);
-* 128 + N - stopped by signal N (130 for Ctrl-C).
+* 128 + N - stopped by signal N (130 for SIGINT, 143 for SIGTERM): the first
+  signal stops the run (in-flight rollouts aborted, the last step finished
+  checkpointed) and one line on stderr names the newest checkpoint and how
+  to resume; a second signal exits at once (``rlengine.signals``). Signals
+  are handled from the start, model building and engine start-up included.
 
 Without a recipe it runs ``copy``. The progress bar (tqdm, on stderr, only
 on a terminal) shows the step, the mean reward and the last evaluation; at
@@ -160,6 +164,21 @@ def _summary(outcome: Any, recipe: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``rlengine train``; returns the exit code."""
+    from rlengine.signals import StopSignals
+
+    with StopSignals("rlengine train") as signals:
+        return signals.leave(_run(args, signals))
+
+
+def _interrupted(outcome: Any, error: Any) -> str:
+    """The one line a stop by signal prints: where the newest checkpoint is, and how to resume."""
+    where = (f"newest checkpoint {outcome.checkpoint} (step {outcome.checkpoint_step}); resume with: "
+             f"rlengine train --resume {outcome.run_dir}" if outcome.checkpoint is not None
+             else "no checkpoint was written (no step finished)")
+    return f"rlengine train: {error} after {outcome.summary.get('steps', 0)} steps; {where}"
+
+
+def _run(args: argparse.Namespace, signals: Any) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if args.list:
@@ -187,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
             name = recipe or ("train-from" if args.train_from is not None else "copy")
             run_dir = args.run_dir or os.path.join("runs", f"{name.rpartition(':')[2]}-{stamp}")
         outcome = train(recipe, overrides, run_dir=run_dir, resume=args.resume is not None,
-                        on_step=progress.step, on_eval=progress.evaluation, on_start=progress.start)
+                        on_step=progress.step, on_eval=progress.evaluation, on_start=progress.start,
+                        signals=signals)
     except (ConfigurationError, RolloutDumpError) as exc:
         progress.close()
         print(f"rlengine train: {exc}", file=sys.stderr)
@@ -197,13 +217,15 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     code = 0
     error = outcome.error
-    if error is not None:
+    if isinstance(error, RunInterrupted):
+        print(_interrupted(outcome, error), file=sys.stderr)
+        code = 128 + error.signum
+    elif error is not None:
         where = f" in the {outcome.stage}" if outcome.stage else ""
         print(f"rlengine train: failed{where}: {type(error).__name__}: {error}", file=sys.stderr)
-        if outcome.left_behind:
-            print(f"rlengine train: cancelled after the grace period: {', '.join(outcome.left_behind)}",
-                  file=sys.stderr)
-        code = 128 + error.signum if isinstance(error, RunInterrupted) else _EXIT_FAILED
+        code = _EXIT_FAILED
+    if error is not None and outcome.left_behind:
+        print(f"rlengine train: cancelled after the grace period: {', '.join(outcome.left_behind)}", file=sys.stderr)
     sys.stderr.flush()
     print(outcome.metrics_path, flush=True)
     return code

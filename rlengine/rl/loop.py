@@ -72,6 +72,8 @@ must not import torch.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -91,6 +93,8 @@ from rlengine.seeding import mix_seed
 from rlengine.types import AdamParams, SamplingParams
 
 __all__ = ["TrainingRun"]
+
+logger = logging.getLogger("rlengine")
 
 _EVAL_SEED = 0x4556414C  # keeps evaluation seeds apart from training seeds
 
@@ -179,6 +183,20 @@ class TrainingRun:
         self._dumps = step_files(config.train_from) if config.train_from is not None else []
         self.dump_bytes = 0
         """Bytes of step dumps written (``dump_rollouts``)."""
+        self.last_checkpoint: str | None = resume[0] if resume else None
+        """The newest checkpoint committed (the one resumed from, until this run commits one)."""
+        self._batch: StepBatch | None = None
+        """The step being gathered or trained (None at a step boundary)."""
+        self._boundary: LoopState | None = None
+        """The loop state at the end of the last step this run finished (what a checkpoint at a stop holds)."""
+        self._saving: asyncio.Task[None] | None = None
+        self._interrupted: RunInterrupted | None = None
+        """An interrupt waiting for the step in training to finish (``interrupt``)."""
+        """The checkpoint being written: it finishes even when the run aborts (see ``_checkpoint``)."""
+        # Made here, not in run(): a signal during start-up interrupts the run before it runs.
+        self._abort = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._progress = asyncio.Event()
 
     # -- shutdown --------------------------------------------------------------------
 
@@ -191,8 +209,18 @@ class TrainingRun:
         self._progress.set()
 
     def interrupt(self, signum: int, name: str) -> None:
-        """Stop the run as failed with ``RunInterrupted`` (a signal handler calls this on the loop)."""
-        self._fail("signal handler", RunInterrupted(signum, name))
+        """Stop the run as failed with ``RunInterrupted`` (a signal handler calls this on the loop).
+
+        A step whose training calls are under way finishes first (within ``shutdown_grace_s``, else
+        the run stops all the same), so that the checkpoint at the stop holds it: the trainer's state
+        is then that of a finished step, never a step half-trained."""
+        exc = RunInterrupted(signum, name)
+        batch = self._batch
+        if batch is not None and batch.calls and not self.cfg.rollout_only and not self._abort.is_set():
+            self._interrupted = exc
+            asyncio.get_running_loop().call_later(self.cfg.shutdown_grace_s, self._fail, "signal handler", exc)
+            return
+        self._fail("signal handler", exc)
 
     def _request_stop(self) -> None:
         self._stop.set()
@@ -220,10 +248,8 @@ class TrainingRun:
     # -- the run ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Run to the end; raises the first stage error (with a note naming the stage)."""
-        self._abort = asyncio.Event()
-        self._stop = asyncio.Event()
-        self._progress = asyncio.Event()
+        """Run to the end; raises the first stage error (with a note naming the stage). Interrupted
+        (``interrupt``), it checkpoints the last step it finished first (``_checkpoint_at_stop``)."""
         self.work_q: asyncio.Queue[Any] = asyncio.Queue()
         self.results_q: asyncio.Queue[Any] = asyncio.Queue()
         self.eval_q: asyncio.Queue[Any] = asyncio.Queue()
@@ -238,8 +264,12 @@ class TrainingRun:
             restore_rng(self.resume[1].rng)
         if cfg.rollout_only:
             self._v0 = self.engine.stats()["version"]
-        elif cfg.train_from is None:
-            self._v0 = (await self._call(self.training.save_weights_for_sampler())).version
+        elif cfg.train_from is None and not self._abort.is_set():
+            installed = await self._call(self.training.save_weights_for_sampler())
+            self._v0 = installed.version if installed is not None else 0
+        if self._abort.is_set():  # interrupted during start-up: nothing ran, nothing to checkpoint
+            assert self.error is not None
+            raise self.error
         self.sampler = self.engine.sampling_client()
         self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
         self._last_step_end = time.monotonic()
@@ -260,6 +290,9 @@ class TrainingRun:
         tasks = {asyncio.create_task(self._stage(name, fn), name=f"rlengine.rl: {name}"): name
                  for name, fn in stages.items()}
         await self._supervise(tasks)
+        await self._settle_checkpoint()
+        if isinstance(self.error, RunInterrupted):
+            await self._checkpoint_at_stop()
         if self.error is not None:
             raise self.error
 
@@ -469,8 +502,8 @@ class TrainingRun:
         step = self.step + 1
         if cfg.train_from is not None:
             return await self._replay_step(step)
-        batch = StepBatch(cfg, None if cfg.rollout_only else self.training, step, self.updates,
-                          self._policy_version)
+        batch = self._batch = StepBatch(cfg, None if cfg.rollout_only else self.training, step, self.updates,
+                                        self._policy_version)
         while batch.consumed < cfg.groups_per_batch:
             result = await self._next_result_for(step)
             if result is None:
@@ -541,7 +574,7 @@ class TrainingRun:
     async def _replay_step(self, step: int) -> bool:
         """One step of ``train_from``: its dump read back and its training calls submitted again."""
         dump = await asyncio.to_thread(read_step, self._dumps[step - 1], step)
-        batch = StepBatch.from_dump(self.cfg, self.training, dump)
+        batch = self._batch = StepBatch.from_dump(self.cfg, self.training, dump)
         train_started = time.monotonic()
         # A rollout_only dump was never recomputed: its replay runs the pass itself.
         if self.cfg.recomputes and batch.unrecomputed() and not await self._recompute(batch):
@@ -571,13 +604,17 @@ class TrainingRun:
         # await lets the dataloader issue the next batch.
         self.step = step
         self._progress.set()
-        snapshot = self._snapshot() if self._checkpoint_due() else None
+        self._batch = None
+        snapshot = self._boundary = self._snapshot()
         self.log.step(record)
         self.log.groups(batch.ledger)
         if self.on_step is not None:
             self.on_step(record)
         self._check_failures(batch)
-        if snapshot is not None:
+        if self._interrupted is not None:  # the step it waited for is done: stop (its checkpoint is the stop's)
+            self._fail("signal handler", self._interrupted)
+            return False
+        if self._checkpoint_due():
             await self._checkpoint(snapshot)
         if cfg.eval_every and self.eval_dataset is not None and step % cfg.eval_every == 0:
             self._request_eval(step)
@@ -624,12 +661,49 @@ class TrainingRun:
                          rng=capture_rng(), elapsed_s=time.monotonic() - self._clock0)
 
     async def _checkpoint(self, state: LoopState) -> None:
+        # Its own task, awaited unless the run aborts: a save under way is never abandoned
+        # half-written, nor raced by the checkpoint at a stop (``_settle_checkpoint``).
+        self._saving = asyncio.create_task(self._save(state), name=f"rlengine.rl: checkpoint {state.step}")
+        await self._until_aborted(asyncio.shield(self._saving))
+
+    async def _save(self, state: LoopState) -> None:
+        """Save the trainer state (submitted at once, so before any training call of the next step:
+        the trainer is at ``state``'s step) and commit the checkpoint."""
         assert self.checkpointer is not None
         staging = self.checkpointer.staging_dir(state.step)
         # A blocking item: it runs with the sampler drained, after this step's install.
-        await self._call(self.training.save_state(f"{staging}/trainer"))
-        if not self._abort.is_set():
-            self.checkpointer.commit(staging, state)
+        await asyncio.wait_for(_await(self.training.save_state(f"{staging}/trainer")), self.cfg.call_timeout_s)
+        self.last_checkpoint = self.checkpointer.commit(staging, state)
+
+    async def _settle_checkpoint(self) -> None:
+        """Wait for a checkpoint still being written (bounded by ``call_timeout_s``); its failure is the
+        run's error if it has none."""
+        saving = self._saving
+        if saving is None:
+            return
+        await asyncio.wait({saving}, timeout=self.cfg.call_timeout_s)
+        if not saving.done():
+            saving.cancel()
+            await asyncio.wait({saving}, timeout=1.0)
+        if not saving.cancelled() and saving.exception() is not None and self.error is None:
+            self._fail("training loop", saving.exception())  # type: ignore[arg-type]
+
+    async def _checkpoint_at_stop(self) -> None:
+        """After an interrupt: checkpoint the last step this run finished, unless it is checkpointed
+        already or the interrupted step had sent training calls (the trainer is then past that step,
+        and its state matches no step: the newest checkpoint stays the last one committed)."""
+        state = self._boundary
+        if self.checkpointer is None or state is None:
+            return
+        if self.last_checkpoint is not None and os.path.basename(self.last_checkpoint) == f"step-{state.step:06d}":
+            return
+        batch = self._batch
+        if batch is not None and batch.calls and not self.cfg.rollout_only:
+            logger.warning("rlengine.rl: no checkpoint at the stop: step %d had sent training calls (the newest "
+                           "checkpoint is %s)", batch.step, self.last_checkpoint)
+            return
+        self._saving = asyncio.create_task(self._save(state), name=f"rlengine.rl: checkpoint {state.step}")
+        await self._settle_checkpoint()
 
     # -- evaluation loop -------------------------------------------------------------------
 

@@ -23,8 +23,10 @@ Failures are contained where they belong:
   rejected request (``RequestError``: e.g. a prompt longer than the context),
   too many turns or a timed-out episode fails that one attempt: the
   trajectory carries an ``AttemptFailure`` and its siblings go on;
-* an engine that died (``EngineDeadError``), a failing ``EnvGroupBuilder``
-  and cancellation propagate: they are the rollout worker's failure.
+* an engine that died (``EngineDeadError``), a sandbox pool that gave up
+  restarting its workers (``SandboxUnavailable``), a failing
+  ``EnvGroupBuilder`` and cancellation propagate: they are the rollout
+  worker's failure.
 
 Cancelling a rollout aborts its in-flight engine request, so shutdown never
 waits for a generation nobody will read. Seeds are derived from the group's
@@ -48,6 +50,7 @@ import msgspec
 from rlengine.core.clients import SamplingClient
 from rlengine.errors import EngineDeadError, RequestError
 from rlengine.rl.errors import InvalidReward
+from rlengine.rl.sandbox import SandboxUnavailable
 from rlengine.rl.types import (
     FAILURE_KINDS,
     AgentEnv,
@@ -109,14 +112,15 @@ def _turn_params(base: SamplingParams, observation: Observation, seed: int) -> S
 
 async def _agent_episode(env: AgentEnv, params: SamplingParams, seed: int, max_turns: int,
                          metadata: dict[str, Any]) -> Trajectory:
-    """One episode an ``AgentEnv`` drives; its failure (a crashed sandbox) fails the attempt."""
+    """One episode an ``AgentEnv`` drives; its failure (a crashed sandbox) fails the attempt, a
+    sandbox pool that gave up (``SandboxUnavailable``) the run."""
     try:
         trajectory = await env.run(params, seed, max_turns)
         if not isinstance(trajectory, Trajectory):
             raise TypeError(f"{type(env).__name__}.run returned {type(trajectory).__name__}, not a Trajectory")
         for turn, t in enumerate(trajectory.transitions):
             _check_reward(f"turn {turn} reward", t.reward)
-    except (EngineDeadError, asyncio.CancelledError):
+    except (EngineDeadError, SandboxUnavailable, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
         return Trajectory(transitions=[], failure=_failure("agent", exc, -1), metadata=metadata)

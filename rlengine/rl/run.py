@@ -12,8 +12,11 @@ train`` calls and what a program may call instead:
    steps as were dumped, with no evaluations (they would sample);
 2. on resume, the newest complete checkpoint is found and the run's
    JSON-lines logs are cut back to its step;
-3. the engine starts on a fresh uvloop loop in this thread, with SIGINT and
-   SIGTERM turned into ``TrainingRun.interrupt`` (a bounded, cascading stop);
+3. the engine starts on a fresh uvloop loop in this thread, with the first
+   SIGINT or SIGTERM turned into ``TrainingRun.interrupt`` (a bounded,
+   cascading stop that checkpoints the last step finished) and a second one
+   exiting at once (``rlengine.signals``); a signal during start-up cancels
+   it (what had started closes) and the run ends before any step;
 4. the recipe's ``attach`` starts what its environments need beside the
    engine (a server, sandboxes; not for ``train_from``, which samples
    nothing), ``TrainingRun`` runs; both are closed, then the engine,
@@ -44,7 +47,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
 from rlengine.rl.config import RESUME_MUTABLE, TrainConfig, convert
 from rlengine.rl.dump import read_meta, start_dump, step_files, step_path
-from rlengine.rl.errors import CheckpointError
+from rlengine.rl.errors import CheckpointError, RunInterrupted
 from rlengine.rl.loop import TrainingRun
 from rlengine.rl.metrics import (
     CONFIG_FILE,
@@ -59,6 +62,7 @@ from rlengine.rl.metrics import (
 )
 from rlengine.rl.plot import write_reward_png
 from rlengine.rl.recipes import Recipe, load_recipe
+from rlengine.signals import StartUpInterrupted, StopSignals
 
 __all__ = ["RunOutcome", "build_config", "train"]
 
@@ -66,7 +70,8 @@ logger = logging.getLogger("rlengine")
 
 
 class RunOutcome(msgspec.Struct, kw_only=True):
-    """What a run left: where, how far, its summary, and the error that ended it (None: success)."""
+    """What a run left: where, how far, its summary, its newest checkpoint, and the error that ended
+    it (None: success)."""
 
     run_dir: str
     metrics_path: str
@@ -77,6 +82,9 @@ class RunOutcome(msgspec.Struct, kw_only=True):
     drained: int = 0
     resumed_from: int | None = None
     png_path: str | None = None
+    checkpoint: str | None = None
+    """The newest complete checkpoint in ``run_dir`` at the end (None: there is none)."""
+    checkpoint_step: int | None = None
 
 
 def build_config(recipe: Recipe, overrides: dict[str, Any]) -> tuple[TrainConfig, msgspec.Struct]:
@@ -185,12 +193,20 @@ def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
 def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume: bool = False,
           on_step: Callable[[dict[str, Any]], None] | None = None,
           on_eval: Callable[[dict[str, Any]], None] | None = None,
-          on_start: Callable[[TrainConfig, int], None] | None = None) -> RunOutcome:
+          on_start: Callable[[TrainConfig, int], None] | None = None,
+          signals: StopSignals | None = None) -> RunOutcome:
     """Run (or resume) an RL run in ``run_dir``; see the module docstring.
 
     Configuration errors raise at once; an error during the run is returned in
-    ``RunOutcome.error`` after the shutdown cascade (nothing is left running).
+    ``RunOutcome.error`` after the shutdown cascade (nothing is left running); a
+    stop by signal is ``RunInterrupted``. ``signals``: the caller's, installed
+    before its own start-up work (``rlengine train`` passes its own); None
+    installs one for the run (from the main thread).
     """
+    if signals is None:
+        with StopSignals("rlengine train") as own:
+            return train(recipe, overrides, run_dir=run_dir, resume=resume, on_step=on_step, on_eval=on_eval,
+                         on_start=on_start, signals=own)
     run_dir = os.path.abspath(run_dir)
     checkpoint = None
     if resume:
@@ -230,41 +246,30 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
                          resumed_from=checkpoint[1].step if checkpoint else None)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
         run: TrainingRun | None = None
-        pending_signal: list[tuple[int, str]] = []
 
         def on_signal(signum: int, name: str) -> None:
             if run is not None:
                 run.interrupt(signum, name)
-            else:
-                pending_signal.append((signum, name))
 
-        handled = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, on_signal, int(sig), sig.name)
-                handled.append(sig)
-            except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
-                pass
-        try:
-            async with Engine(engine_config) as engine, (
-                    contextlib.nullcontext() if config.train_from is not None
-                    else the_recipe.attach(engine, dataset, eval_dataset)):
+        with signals.on_loop(asyncio.get_running_loop(), on_signal):
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    async with signals.start_up():  # a signal cancels it (what started closes with the stack)
+                        engine = await stack.enter_async_context(Engine(engine_config))
+                        if config.train_from is None:
+                            await stack.enter_async_context(the_recipe.attach(engine, dataset, eval_dataset))
+                except StartUpInterrupted as exc:
+                    raise RunInterrupted(exc.signum, signal.Signals(exc.signum).name) from None
                 replace_file(os.path.join(run_dir, ENGINE_FILE), msgspec.json.format(msgspec.json.encode(
                     {"backend": engine.backend.name, "capabilities": engine.backend.capabilities})))
                 evaluated = [e["step"] for e in read_jsonl(os.path.join(run_dir, EVAL_FILE))] if resume else []
                 run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
                                   resume=checkpoint, on_step=on_step, on_eval=on_eval, evaluated=evaluated)
-                for signum, name in pending_signal:
-                    run.interrupt(signum, name)
                 try:
                     await run.run()
                 finally:
                     outcome.left_behind, outcome.drained = run.left_behind, run.drained
-        finally:
-            for sig in handled:
-                loop.remove_signal_handler(sig)
 
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
@@ -274,6 +279,13 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
         outcome.stage = _stage_of(exc)
     finally:
         log.close()
+    try:
+        newest = checkpointer.latest()
+    except CheckpointError as exc:
+        logger.warning("rlengine.rl: %s", exc)
+        newest = None
+    if newest is not None:
+        outcome.checkpoint, outcome.checkpoint_step = newest[0], newest[1].step
     outcome.summary = summarize(run_dir, config.target_reward)
     outcome.png_path = _draw(run_dir, the_recipe.name)
     return outcome

@@ -20,11 +20,13 @@ else ``~/.rlengine/run``; ``key_file`` to choose); ``no_auth=true`` /
 It prints the servers' addresses (``ipc: <path>``, ``http: <url>``,
 ``tinker: <url>``; with a drawn key ``http key: <key>`` and
 ``http key file: <path>``, likewise ``tinker key``), then ``ready``, and runs
-until SIGINT or SIGTERM; then turns in flight settle
-(finished within ``grace_s`` or aborted), the socket file is removed and the
-engines close. Exit status 0 after a clean stop, 2 for bad settings, 1 when
-an engine died (its backend failed): the servers then stop on their own
-within a second, and ``GET /health`` answers 503 until they do.
+until SIGINT or SIGTERM (``rlengine.signals``: a second one exits at once);
+then turns in flight settle (finished within ``grace_s`` or aborted), the
+socket file is removed and the engines close. Exit status 128 + N after a
+stop by signal N (130 for SIGINT, 143 for SIGTERM), 2 for bad settings, 1
+when an engine died (its backend failed), whether or not a signal came
+after: the servers then stop on their own within a second, and
+``GET /health`` answers 503 until they do.
 
 ``rlengine.cli`` wires ``add_parser`` and ``run`` in as its ``serve``
 command; ``python -m rlengine.serve.cli`` runs it alone. This module parses
@@ -35,21 +37,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import signal
 import sys
 from typing import Any
 
 import msgspec
 
 from rlengine.errors import ConfigurationError
+from rlengine.signals import StartUpInterrupted, StopSignals, until_stopped
 
 __all__ = ["add_parser", "main", "parse_settings", "run"]
-
-_WATCH_S = 0.25
-"""How often ``serve`` checks that its engines live."""
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` command to an argparse subparsers object."""
@@ -135,24 +132,20 @@ def tinker_settings(words: list[str]) -> Any:
         raise ConfigurationError(f"bad tinker setting: {exc}") from None
 
 
-async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any = None) -> int:
+async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: int,
+                 tinker_cfg: Any) -> tuple[Any, Any]:
+    """Start the engines (into ``engines`` as they come, for the caller to close), the servers and
+    the Tinker API; print their addresses and ``ready``. Returns ``(server, tinker server or None)``."""
     from rlengine.core.engine import Engine
     from rlengine.serve.server import Server
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    engines: list[Engine] = []
-    server: Server | None = None
-    tinker: Any = None
-    status = 0
+    for i in range(replicas):
+        engine = Engine(msgspec.structs.replace(engine_cfg, seed=engine_cfg.seed + i))
+        engines.append(engine)
+        await engine.start_async()
+    server = await Server(engines, serve_cfg).start_async()
+    tinker = None
     try:
-        for i in range(replicas):
-            engine = Engine(msgspec.structs.replace(engine_cfg, seed=engine_cfg.seed + i))
-            engines.append(engine)
-            await engine.start_async()
-        server = await Server(engines, serve_cfg).start_async()
         if server.ipc_path:
             print(f"ipc: {server.ipc_path}", flush=True)
         if server.http_url:
@@ -166,34 +159,49 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
             print(f"tinker: {tinker.url}", flush=True)
             if tinker.key_file is not None:
                 print(f"tinker key: {tinker.api_key}\ntinker key file: {tinker.key_file}", flush=True)
-        print(f"ready: model {server.model_name!r}, {replicas} replica(s)", flush=True)
-        while not stop.is_set():
-            # A dead engine ends the process (its supervisor sees a non-zero exit), after
-            # everything pending has settled: the engine failed its requests as it died.
-            dead = [(i, e.died) for i, e in enumerate(engines) if e.died is not None]
-            if dead:
-                i, error = dead[0]
-                print(f"rlengine serve: engine replica {i} died: {error}", file=sys.stderr, flush=True)
-                status = 1
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), _WATCH_S)
-        print("stopping", flush=True)
-    finally:
-        if tinker is not None:
-            await tinker.aclose()
-        if server is not None:
-            await server.aclose()
-        for engine in engines:
-            await engine.aclose()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    except BaseException:
+        await server.aclose()
+        raise
+    print(f"ready: model {server.model_name!r}, {replicas} replica(s)", flush=True)
+    return server, tinker
+
+
+async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any, signals: StopSignals) -> int:
+    stop = asyncio.Event()
+    engines: list[Any] = []
+    server: Any = None
+    tinker: Any = None
+    died: int | None = None
+    with signals.on_loop(asyncio.get_running_loop(), lambda _signum, _name: stop.set()):
+        try:
+            try:
+                async with signals.start_up():  # a signal cancels it; what started closes below
+                    server, tinker = await _start(engines, engine_cfg, serve_cfg, replicas, tinker_cfg)
+            except StartUpInterrupted:
+                pass
+            else:
+                # A dead engine ends the process (its supervisor sees a non-zero exit), after
+                # everything pending has settled: the engine failed its requests as it died.
+                died = await until_stopped(stop, engines, "rlengine serve")
+            print("stopping", flush=True)
+        finally:
+            if tinker is not None:
+                await tinker.aclose()
+            if server is not None:
+                await server.aclose()
+            for engine in engines:
+                await engine.aclose()
     print("stopped", flush=True)
-    return status
+    return died if died is not None else signals.status
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``rlengine serve`` with parsed ``args``; returns the exit status."""
+    with StopSignals("rlengine serve") as signals:
+        return signals.leave(_run(args, signals))
+
+
+def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     try:
         engine_cfg, serve_cfg, replicas = parse_settings(args.settings)
         tinker_cfg = tinker_settings(args.settings) if getattr(args, "tinker", False) else None
@@ -206,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
     loop = new_event_loop()
     try:
-        return loop.run_until_complete(_serve(engine_cfg, serve_cfg, replicas, tinker_cfg))
+        return loop.run_until_complete(_serve(engine_cfg, serve_cfg, replicas, tinker_cfg, signals))
     except ConfigurationError as exc:
         print(f"rlengine serve: {exc}", file=sys.stderr)
         return 2

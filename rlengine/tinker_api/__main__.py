@@ -13,7 +13,9 @@ The engine runs in async mode on this process's uvloop, and the server on
 that same loop. It prints ``tinker: <url>`` (with a drawn key also
 ``tinker key: <key>`` and ``tinker key file: <path>``) and then ``ready``; on
 a signal it stops listening, removes the key file, closes the engine and
-exits 0 (2 for bad settings).
+exits 128 + N (130 for SIGINT, 143 for SIGTERM; ``rlengine.signals``: a
+second signal exits at once with the same status), 2 for bad settings, 1 when the engine died (then it stops by
+itself within a second, whether or not a signal follows).
 ``rlengine serve`` can serve the same API next to its IPC and OpenAI
 servers through ``rlengine.tinker_api.start_async``. This module parses
 and runs; it adds no serving logic.
@@ -23,16 +25,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
 from rlengine.errors import ConfigurationError
+from rlengine.signals import StopSignals, until_stopped
 
 __all__ = ["build_parser", "main"]
 
+_PROG = "python -m rlengine.tinker_api"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rlengine.tinker_api",
+    parser = argparse.ArgumentParser(prog=_PROG,
                                      description="Serve the Tinker REST API for a local rlengine engine.")
     parser.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model directory")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "vllm"],
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, signals: StopSignals) -> int:
     from rlengine.config import EngineConfig
     from rlengine.core.engine import Engine
     from rlengine.tinker_api.config import TinkerServerConfig
@@ -75,11 +79,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                 key_file=args.key_file, checkpoint_dir=args.checkpoint_dir,
                                 max_models=args.max_models, model_aliases=aliases)
     engine_config = EngineConfig(model=args.model, backend=args.backend, cache_dir=args.cache_dir, seed=args.seed)
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    with signals.on_loop(asyncio.get_running_loop(), lambda _signum, _name: stop.set()):
         async with Engine(engine_config) as engine:
             server = await start_async(engine, config)
             try:
@@ -87,26 +88,28 @@ async def _serve(args: argparse.Namespace) -> int:
                 if server.key_file is not None:
                     print(f"tinker key: {server.api_key}\ntinker key file: {server.key_file}", flush=True)
                 print(f"ready: model {engine.model_name!r} ({engine.backend.name} backend)", flush=True)
-                await stop.wait()
+                died = await until_stopped(stop, [engine], _PROG)
                 print("stopping", flush=True)
             finally:
                 await server.aclose()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
     print("stopped", flush=True)
-    return 0
+    return died if died is not None else signals.status
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with StopSignals(_PROG) as signals:
+        return signals.leave(_run(args, signals))
+
+
+def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     from rlengine.core.engine import new_event_loop
 
     loop = new_event_loop()
     try:
-        return loop.run_until_complete(_serve(args))
+        return loop.run_until_complete(_serve(args, signals))
     except ConfigurationError as exc:
-        print(f"python -m rlengine.tinker_api: {exc}", file=sys.stderr)
+        print(f"{_PROG}: {exc}", file=sys.stderr)
         return 2
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())

@@ -14,9 +14,14 @@ A random policy finds the secret in about one game in six (a guess that is
 not a digit ends the game); finding it every time within ``max_turns`` = 4
 guesses takes a binary search that uses the answers.
 
-``crash_every`` > 0 is fault injection: every ``crash_every``-th attempt's
-sandbox exits abruptly mid-game; the attempt fails, the worker is replaced
-and the run goes on (``min_surviving_attempts`` decides the group).
+``crash_every`` > 0 is fault injection: every ``crash_every``-th attempt
+(environment made) is marked in its task to exit abruptly before its second
+guess, taking its sandbox worker down with the games in flight there. The
+mark belongs to the game, so its replay in quarantine crashes again, alone:
+that attempt alone fails (an ``AttemptFailure`` of kind ``crash``, counted in
+``attempts_failed_crash``; ``min_surviving_attempts`` decides whether its
+group trains), while the other games of the worker are played again and
+finish (``rlengine.rl.sandbox``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class GuessOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     sandboxes: int = 2
     """Sandbox worker processes (each plays many games at once)."""
     crash_every: int = 0
-    """Fault injection: every n-th attempt's sandbox exits mid-game (0: never)."""
+    """Fault injection: every n-th attempt exits mid-game, with its worker (0: never)."""
     job_timeout_s: float = 60.0
     """Longest one game may take in its sandbox."""
     think_s: float = 0.0
@@ -76,7 +81,7 @@ class _World:
         task: dict[str, Any] = {"secret": secret, "think_s": self.options.think_s}
         every = self.options.crash_every
         if every and self._attempts % every == 0:
-            task["crash_at_turn"] = 1
+            task["crash_at_turn"] = 1  # in the task: every replay of this game crashes too
         return SessionEnv(self.pool, self.sessions, task, {"group_secret": secret})
 
 

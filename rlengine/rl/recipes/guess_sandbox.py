@@ -1,17 +1,19 @@
 """The guessing game's sandbox worker: the environment *and* the agent loop, in its own process.
 
-``python -m rlengine.rl.recipes.guess_sandbox SOCKET`` (started by the
-``guess`` recipe's ``SandboxPool``): for every job it attaches to the
-session the trainer opened, and plays one game through the engine's IPC
-server with token turns. The prompt is ``?``; each turn the model samples
+``python -m rlengine.rl.recipes.guess_sandbox fds:N|SOCKET`` (started by the
+``guess`` recipe's ``SandboxPool``): for every job (``worker_main``: many at
+once in the worker's process) it attaches to the session the trainer opened,
+and plays one game through the engine's IPC server with token turns. The
+prompt is ``?``; each turn the model samples
 one token, a guess; the game answers ``<`` (the secret is smaller) or ``>``
 (larger) and the model guesses again, up to ``max_turns`` guesses. Any
 token that is not a digit ends the game. The reward, sent through the
 session: 1.0 when the secret was found, else 0.0.
 
-A job with ``"crash_at_turn": k`` makes the process exit abruptly before
-turn ``k`` (fault injection: the trainer must fail that attempt, replace
-the sandbox and go on); ``"think_s": t`` waits a random time in [0, t)
+A job with ``"crash_at_turn": k`` makes the game's process exit abruptly
+before turn ``k`` (fault injection: the worker dies with its games in
+flight; replayed in quarantine, this game crashes again, alone, and fails as
+a ``crash``, while the others finish); ``"think_s": t`` waits a random time in [0, t)
 before each guess (an agent's varying latency: the engine's batches then
 form differently in every run, which must not change what is trained).
 
@@ -75,6 +77,6 @@ async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from rlengine.rl.sandbox import worker_main
+    from rlengine.rl.sandbox_worker import worker_main
 
     worker_main(play)
