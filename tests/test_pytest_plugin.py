@@ -158,6 +158,7 @@ def test_one_short_sample_on_the_tiny_model(rlengine_torch_engine, rlengine_mode
 """
 
 
+@pytest.mark.model_plane
 @pytest.mark.slow
 def test_a_user_suite_samples_the_torch_engine(pytester: pytest.Pytester):
     pytester.makepyfile(test_user_torch=TORCH_SUITE)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = ("default", "avx2", "avx512")
 CELL_TIMEOUT_S = 900

@@ -66,6 +66,7 @@ def test_tokenizer_round_trips_and_matches_its_raw_file(tiny_model):
         assert max(ids) < len(tok)
 
 
+@pytest.mark.model_plane
 def test_build_is_deterministic_and_seeded(tmp_path):
     a, b, c = (str(tmp_path / n) for n in "abc")
     models.build_tiny(a, **SMALL)
@@ -78,6 +79,7 @@ def test_build_is_deterministic_and_seeded(tmp_path):
     assert any((wa[k] != wc[k]).any() for k in wa if k.endswith("proj.weight"))
 
 
+@pytest.mark.model_plane
 def test_build_does_not_move_the_callers_torch_seed(tmp_path):
     import torch
 
@@ -97,11 +99,13 @@ def test_build_does_not_move_the_callers_torch_seed(tmp_path):
     ({"layers": 2}, "unknown parameter"),
     ({"dtype": "int8"}, "dtype"),
 ])
+@pytest.mark.model_plane
 def test_build_rejects_bad_parameters(tmp_path, params, field):
     with pytest.raises(ConfigurationError, match=field):
         models.build_tiny(str(tmp_path / "m"), **{**SMALL, **params})
 
 
+@pytest.mark.model_plane
 def test_model_vocab_can_exceed_the_tokenizer(tmp_path):
     from transformers import AutoConfig
 
@@ -122,6 +126,7 @@ def test_prepare_builds_tiny_once_into_the_cache(tiny_model, model_cache):
         assert json.load(f)["params"] == models.TINY_DEFAULTS
 
 
+@pytest.mark.model_plane
 def test_model_args_build_a_tiny_model_with_a_longer_context(tmp_path):
     """``EngineConfig.model_args`` are the tiny build's parameters: a context long enough for an
     agent's prompt is a setting, built once into the cache under its own name."""
@@ -157,6 +162,7 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
     assert models.cache_root(EngineConfig(cache_dir=str(tmp_path / "cfg"))) == str(tmp_path / "cfg")
 
 
+@pytest.mark.model_plane
 def test_a_builder_that_loses_the_race_keeps_the_winners_model(tmp_path, monkeypatch):
     """Another builder renames its copy into place while we build: ours is discarded, theirs kept."""
     root = str(tmp_path)
@@ -176,6 +182,7 @@ def test_a_builder_that_loses_the_race_keeps_the_winners_model(tmp_path, monkeyp
     assert sorted(os.listdir(os.path.join(root, "models"))) == [os.path.basename(winner)]
 
 
+@pytest.mark.model_plane
 @pytest.mark.slow
 def test_concurrent_builders_in_separate_processes(tmp_path):
     code = textwrap.dedent(f"""

@@ -11,6 +11,8 @@ import pytest
 import rlengine as rle
 from rlengine.errors import ConfigurationError
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 WAIT = 120
 CALL = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
 

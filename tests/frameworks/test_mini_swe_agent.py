@@ -25,6 +25,8 @@ import openai
 import pytest
 from serving import WAIT, http_trace, open_http_session, sampled_segments, script_tokens, scripted
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 CALL = 'I will write the file.\n<tool_call>\n{"name":"bash","arguments":{"command":"echo hi > out.txt"}}\n</tool_call>'
 SUBMIT = ('Done.\n<tool_call>\n{"name":"bash","arguments":{"command":"echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}\n'
           '</tool_call>')

@@ -37,7 +37,7 @@ import subprocess
 import pytest
 from serving import REPO, WAIT, http_trace, open_http_session, sampled_segments, script_tokens, scripted
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.model_plane]
 
 VENV = os.environ.get("RLENGINE_VERIFIERS_VENV", os.path.join(REPO, ".venv-verifiers"))
 VENV_HINT = ("python -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q verifiers==0.4.0 "

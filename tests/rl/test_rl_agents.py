@@ -27,6 +27,8 @@ from rlengine.rl.sandbox import SandboxPool
 from rlengine.serve.server import ServeConfig, Server
 from rlengine.types import SamplingParams
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 ANSWER = "It is sunny in Oslo."
 MALFORMED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'

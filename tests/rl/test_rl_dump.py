@@ -27,6 +27,8 @@ from rlengine.rl.errors import RolloutDumpError
 from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.run import train
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 # Small enough for seconds: 3 steps of 4 groups of 4, the recipe's 8 substeps and entropy bonus kept.
 SMALL = {"steps": "3", "groups_per_batch": "4", "group_size": "4", "eval_every": "0", "checkpoint_every": "0",
          "backend": "torch"}

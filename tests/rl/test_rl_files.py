@@ -44,6 +44,7 @@ TRAIN_LABEL, EVAL_LABEL = "train reward (mean per step)", "held-out eval reward 
 BAND_LABEL = "train reward, 10th-90th percentile"
 
 
+@pytest.mark.model_plane
 def test_the_figure_names_its_axes_and_plots_the_records_it_is_given():
     steps = [{"step": s, "reward_mean": s / 10, "reward_p10": s / 20, "reward_p90": s / 5} for s in range(1, 8)]
     steps[3] = {"step": 4, "reward_mean": None}  # a step with no reward (logged as null) is left out
@@ -62,6 +63,7 @@ def test_the_figure_names_its_axes_and_plots_the_records_it_is_given():
     np.testing.assert_allclose(band.get_paths()[0].get_extents().bounds, [1, 0.05, 6, 1.35])
 
 
+@pytest.mark.model_plane
 def test_a_run_without_evaluations_or_spread_gets_one_series_and_the_default_title():
     ax = reward_figure([{"step": 1, "reward_mean": 0.5}], []).axes[0]
     assert ax.get_title() == DEFAULT_TITLE
@@ -74,6 +76,7 @@ def test_a_run_without_evaluations_or_spread_gets_one_series_and_the_default_tit
     assert reward_figure([{"step": 1, "reward_mean": None}], []).axes[0].get_legend() is None
 
 
+@pytest.mark.model_plane
 def test_the_png_is_written_atomically_at_its_size_and_loads_back(tmp_path):
     from matplotlib.image import imread
 
@@ -90,6 +93,7 @@ def test_the_png_is_written_atomically_at_its_size_and_loads_back(tmp_path):
     assert blue.sum() > 300
 
 
+@pytest.mark.model_plane
 def test_a_run_draws_its_curve_from_its_own_files(tmp_path):
     from matplotlib.image import imread
 
@@ -144,6 +148,7 @@ def test_checkpoints_commit_atomically_and_prune(tmp_path):
     assert ckpt.latest()[1].step == 6
 
 
+@pytest.mark.model_plane
 def test_rng_states_round_trip_through_json_without_pickle():
     import json
     import random

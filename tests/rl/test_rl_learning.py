@@ -15,6 +15,8 @@ from copy_learning import assert_learned
 
 from rlengine.rl.run import train
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 
 @pytest.mark.slow
 def test_copy_recipe_reward_rises_within_30_steps(tmp_path, model_cache):

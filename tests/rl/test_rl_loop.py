@@ -47,6 +47,7 @@ def final_dispositions(path) -> dict[int, list[str]]:
     return out
 
 
+@pytest.mark.model_plane
 def test_a_run_through_the_dataset_ends_cleanly_with_every_group_consumed_once(tmp_path):
     outcome, _, _ = run_sim(tmp_path, batches=6, eval_every=3, checkpoint_every=2)
     assert outcome.error is None

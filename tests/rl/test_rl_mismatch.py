@@ -35,6 +35,7 @@ def test_token_staleness_counts_sampled_tokens_only():
     assert token_staleness([np.array([-1])], 2) == {}
 
 
+@pytest.mark.model_plane
 def test_every_step_of_a_run_reports_its_mismatch(tmp_path, model_cache):
     outcome = train("copy", {"steps": 2, "eval_every": 0, "checkpoint_every": 0, "backend": "torch",
                              "cache_dir": model_cache, "groups_per_batch": 4}, run_dir=str(tmp_path))

@@ -26,6 +26,8 @@ from rlengine.sandbox_client import Client
 from rlengine.serve.server import ServeConfig
 from rlengine.types import LogprobTransform
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 WAIT = 300.0
 PROMPT = rle.ModelInput.from_ints([1, 2, 3, 4])
 TRANSFORM = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}

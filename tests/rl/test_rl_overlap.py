@@ -71,6 +71,7 @@ def test_sim_runs_that_sample_ahead_are_identical_whatever_the_timing_and_across
     assert all(e["versions"] == [max(0, e["step"] - 1 - k)] * 2 for e in ledger if e["disposition"] == "trained")
 
 
+@pytest.mark.model_plane
 @pytest.mark.bitwise
 def test_copy_runs_that_sample_ahead_are_identical_across_timing_and_a_resume(tmp_path, model_cache):
     """The copy recipe (its default samples one batch ahead) on the torch backend, three ways."""

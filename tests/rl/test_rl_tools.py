@@ -20,6 +20,7 @@ from rlengine.rl.recipes.tools_agent import TOOL, TOOLS, reward
 from rlengine.rl.run import train
 
 
+@pytest.mark.model_plane
 def test_the_template_and_the_call_syntax_write_a_tool_episode_in_a_dozen_characters(model_cache):
     tok = load_tokenizer(prepare_char_model(ALPHABET, END, cache_dir=model_cache, chat_template=CHAT_TEMPLATE))
     call = {"id": "call_1", "type": "function", "function": {"name": TOOL, "arguments": {}}}
@@ -52,6 +53,7 @@ def _run(tmp_path, model_cache, **settings):
     return read_jsonl(outcome.metrics_path)
 
 
+@pytest.mark.model_plane
 @pytest.mark.slow
 def test_the_agent_learns_to_call_the_tool_and_the_reward_rises(tmp_path, model_cache):
     steps = _run(tmp_path, model_cache, steps=20)
@@ -63,6 +65,7 @@ def test_the_agent_learns_to_call_the_tool_and_the_reward_rises(tmp_path, model_
     assert all(s["kl_sample_train_v1"] < 1e-4 for s in steps)  # the exact sampled tokens are trained
 
 
+@pytest.mark.model_plane
 def test_crashed_agents_are_masked_counted_and_the_run_goes_on(tmp_path, model_cache):
     # A crash ends its worker, and with it every episode that worker was playing: all fail as crashes.
     steps = _run(tmp_path, model_cache, steps=2, groups_per_batch=4, crash_every=16, max_failure_share=1.0)

@@ -16,6 +16,8 @@ from serving import WAIT, Served, script, script_tokens
 import rlengine as rle
 from rlengine.serve import ServeConfig
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

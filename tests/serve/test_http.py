@@ -137,6 +137,7 @@ def test_streaming_deltas_add_up_to_the_completion(served):
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really incremental
 
 
+@pytest.mark.model_plane
 def test_streaming_over_a_real_tokenizer(engine_config):
     s = Served([engine_config("torch")], ServeConfig(ipc=False))
     try:

@@ -13,6 +13,8 @@ import openai
 import pytest
 from serving import WAIT, script, script_tokens, scripted
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

@@ -91,6 +91,7 @@ def lcp(a, b) -> int:
 # -- rendering ------------------------------------------------------------------------------
 
 
+@pytest.mark.model_plane
 def test_assistant_tail_is_the_template_closing_after_the_sampled_tokens(renderer):
     msgs = [{"role": "user", "content": "hi"}]
     im_end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -98,6 +99,7 @@ def test_assistant_tail_is_the_template_closing_after_the_sampled_tokens(rendere
     assert assistant_tail(renderer, msgs, reply("hello"), renderer.encode("hello")) == "<|im_end|>\n"  # cut by length
 
 
+@pytest.mark.model_plane
 def test_suffix_renders_only_the_new_messages(renderer):
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     sampled_end = Boundary(handle=0, count=2, generation=False, tail="\n")
@@ -126,6 +128,7 @@ def test_a_template_that_is_not_prefix_stable_gives_no_suffix():
 # -- exact capture (torch, tiny model) ------------------------------------------------------------
 
 
+@pytest.mark.model_plane
 def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(capture):
     tiny, renderer = capture
     sid, token = session(tiny)
@@ -151,6 +154,7 @@ def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(captur
     assert len(receipts) == 2 and all(r.outcome == "completed" for r in receipts)  # each turn held a lease
 
 
+@pytest.mark.model_plane
 def test_retokenizing_the_sampled_text_gives_other_ids_but_the_export_holds_the_sampled_ones(tiny, renderer):
     for seed in range(40):
         sid, token = session(tiny)
@@ -172,6 +176,7 @@ def test_retokenizing_the_sampled_text_gives_other_ids_but_the_export_holds_the_
     assert retokenized != traj.tokens.tolist()[:t2.prompt_tokens]
 
 
+@pytest.mark.model_plane
 def test_an_edited_history_branches_at_the_divergence_point(capture):
     tiny, renderer = capture
     sid, token = session(tiny)
@@ -193,6 +198,7 @@ def test_an_edited_history_branches_at_the_divergence_point(capture):
     assert b[-len(t3.choices[0].tokens):] == t3.choices[0].tokens
 
 
+@pytest.mark.model_plane
 def test_a_truncated_history_and_n_samples_branch_from_the_stored_prompt(capture):
     tiny, renderer = capture
     sid, token = session(tiny)
@@ -212,6 +218,7 @@ def test_a_truncated_history_and_n_samples_branch_from_the_stored_prompt(capture
                    and t.loss_mask.tolist()[prompt1:prompt1 + n] == [1] * n for t in trajectories)
 
 
+@pytest.mark.model_plane
 def test_generate_keeps_the_stored_prefix_and_stores_only_new_tokens(capture):
     tiny, _ = capture
     sid, token = session(tiny)

@@ -16,6 +16,8 @@ import openai
 import pytest
 from serving import WAIT, http_trace, open_http_session, probing, script, script_tokens, scripted
 
+pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

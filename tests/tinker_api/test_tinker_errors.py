@@ -102,6 +102,7 @@ def lora_model(base: str, sid: str, seq: int = 0) -> str:
     return r.json()["model_id"]
 
 
+@pytest.mark.model_plane
 def test_malformed_bodies_are_typed_errors(url):
     body = error(call(url, "create_session", raw=b"{not json"), 400, "invalid")
     assert body["field"] == "body" and "malformed JSON" in body["value"]
@@ -128,6 +129,7 @@ def test_malformed_bodies_are_typed_errors(url):
     healthy(url)
 
 
+@pytest.mark.model_plane
 def test_unknown_ids_are_not_found(url):
     sid = session(url)
     assert error(call(url, "retrieve_future", {"request_id": "nope"}), 404, "not_found")["field"] == "request_id"
@@ -142,6 +144,7 @@ def test_unknown_ids_are_not_found(url):
     healthy(url)
 
 
+@pytest.mark.model_plane
 def test_another_keys_sessions_models_and_futures_are_forbidden(url):
     sid = session(url, KEY_A)
     ssid = base_sampler(url, sid, key=KEY_A)
@@ -154,6 +157,7 @@ def test_another_keys_sessions_models_and_futures_are_forbidden(url):
     healthy(url)
 
 
+@pytest.mark.model_plane
 def test_unserved_endpoints_answer_not_supported(url):
     for method, path in (("POST", "create_custom_loss"), ("POST", "save_weights_external"),
                          ("GET", "sessions"), ("POST", "auth/token"), ("GET", "no/such/thing")):
@@ -166,6 +170,7 @@ def test_unserved_endpoints_answer_not_supported(url):
     healthy(url)
 
 
+@pytest.mark.model_plane
 def test_known_unserved_features_are_not_supported_and_unknown_names_invalid(url):
     """The SDK's losses and optimizers rlengine lacks answer ``not_supported`` naming them; names the SDK
     does not have either are ``invalid``, naming the field and the value."""
@@ -197,6 +202,7 @@ def test_known_unserved_features_are_not_supported_and_unknown_names_invalid(url
     healthy(url)
 
 
+@pytest.mark.model_plane
 def test_oversized_bodies_and_shared_secret(engine, ckpt_dir):
     small = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_body_bytes=4096, api_key="tml-secret"))
     try:
@@ -246,6 +252,7 @@ def test_a_loopback_server_draws_a_key_and_refuses_every_other(engine_config, ck
             open_server.close()
 
 
+@pytest.mark.model_plane
 def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(server, url):
     sid = session(url)
     model_id = lora_model(url, sid)
@@ -280,6 +287,7 @@ def test_calls_run_in_seq_id_order_and_replays_get_the_same_id(server, url):
     healthy(url)
 
 
+@pytest.mark.model_plane
 def test_a_full_server_evicts_only_models_of_silent_sessions(engine, ckpt_dir):
     """With every slot taken, a new model waits; while the holder's session heartbeats it keeps its model
     and the new one fails ``limit_exceeded`` once the wait is over; once it falls silent for
@@ -346,6 +354,7 @@ def _image_proto(model_id: str, seq_id: int) -> bytes:
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
+@pytest.mark.model_plane
 def test_a_refused_call_still_takes_its_turn(server, url, engine):
     """Each call refused at submission consumes its ``seq_id``: the model's next call runs at once instead
     of waiting ``hold_timeout_s`` for it, and a retry of the refused call gets its refusal again."""
@@ -385,6 +394,7 @@ def test_a_refused_call_still_takes_its_turn(server, url, engine):
     call(url, f"sessions/{sid}/finish", {"reason": {"type": "success"}})
 
 
+@pytest.mark.model_plane
 def test_cancel_and_try_again(engine, ckpt_dir):
     server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A, poll_timeout_s=0.2,
                                               max_futures=2))
@@ -408,6 +418,7 @@ def test_cancel_and_try_again(engine, ckpt_dir):
         server.close()
 
 
+@pytest.mark.model_plane
 def test_sessions_without_heartbeat_expire(engine, ckpt_dir):
     server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, api_key=KEY_A, session_ttl_s=0.3,
                                               sweep_interval_s=0.05))
