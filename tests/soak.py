@@ -405,8 +405,10 @@ def run_soak(*, seed: int = 0, ipc_agents: int = 3, http_agents: int = 3, warmup
              faults_s: float = 20.0, fault_every_s: float = 1.0, install_every_s: float = 1.0) -> SoakReport:
     """Run one soak against a fresh in-process server; the report says what held."""
     served = Served([sim_config(step_time_s=0.002)],
-                    ServeConfig(frame_timeout_s=2.0, write_stall_timeout_s=5.0,
-                                idle_session_ttl_s=60.0))
+                    # Short retention, so memory reaches its steady state within the warm-up and
+                    # "flat" measures leaks, not the closed sessions' traces kept by design.
+                    ServeConfig(frame_timeout_s=2.0, write_stall_timeout_s=5.0, idle_session_ttl_s=10.0,
+                                closed_session_ttl_s=5.0, tombstone_ttl_s=5.0))
     try:
         with tempfile.TemporaryDirectory(prefix="rlengine-soak-") as workdir:
             return _Soak(served, workdir, seed).run(

@@ -73,6 +73,7 @@ import msgspec
 from aiohttp import web
 
 from rlengine.constraints import json_response, tool_choice
+from rlengine.core.futures import RequestFuture
 from rlengine.errors import ContextLengthExceeded, InvalidRequest
 from rlengine.protocol import BadMessage, Choice, Unsupported
 from rlengine.render import TextStream
@@ -567,12 +568,17 @@ class HttpServer:
                 rests = [s.finish(c.text or "") for s, c in zip(streams, result.choices)]
                 await self._write(request, response, events.finish(result, rests))
             await response.write_eof()
-        except (asyncio.CancelledError, ConnectionError):
-            if not fut.done():
-                self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
-                                      output_sent=response.prepared)
+        except asyncio.CancelledError:
+            self._abandon(fut, response)
             raise
+        except ConnectionError:  # the client is gone (or was cut off): nothing to answer, nothing to log
+            self._abandon(fut, response)
         return response
+
+    def _abandon(self, fut: RequestFuture[Any], response: web.StreamResponse) -> None:
+        if not fut.done():
+            self.sessions.abandon(fut.request_id, "the HTTP client disconnected mid-stream",
+                                  output_sent=response.prepared)
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
         """One event to a streaming client, bounded: a write waits only while the client's socket
