@@ -199,7 +199,9 @@ def test_soak_under_faults(record):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from soak import run_soak  # the same driver as the CI test
 
-    r = record(lambda: run_soak(seed=0, ipc_agents=4, http_agents=4, warmup_s=5.0, clean_s=20.0, faults_s=150.0,
-                                fault_every_s=1.5).as_dict())
+    r = record(lambda: run_soak(seed=0, ipc_agents=4, http_agents=4, warmup_s=20.0, clean_s=20.0, faults_s=180.0,
+                                fault_every_s=1.5, rss_from_s=60.0).as_dict())
     assert r["problems"] == [], r
-    assert abs(r["rss_drift"]) < 0.05, r  # last 10 % of the samples against the first 10 %
+    # The last 10 % of the memory samples (the faults phase from its 60th second on) against the
+    # first 10 %: within 3 %.
+    assert abs(r["rss_drift"]) < 0.03, r

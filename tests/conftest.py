@@ -6,13 +6,13 @@ control-plane tests must stay torch-free); model fixtures import lazily.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from light import HERE, MODEL_PLANE, missing_imports
 
 # Tests never reach a model hub; set before anything imports huggingface_hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,8 +72,6 @@ def _vllm_importable() -> bool:
 # on the torch or vLLM backend. Under RLENGINE_REQUIRE_ALL=1 (CI's full run) nothing is
 # left out: a missing package fails the run.
 
-HERE = Path(__file__).resolve().parent
-_MODEL_PLANE = ("torch", "transformers")
 _left_out: dict[str, str] = {}
 
 
@@ -81,41 +79,10 @@ def _require_all() -> bool:
     return os.environ.get("RLENGINE_REQUIRE_ALL") == "1"
 
 
-def _missing_imports(path: Path, seen: set[Path] | None = None) -> list[str]:
-    """The absent top-level packages that ``path`` imports at module level (a helper module of
-    tests/ that it imports is followed)."""
-    seen = seen if seen is not None else set()
-    if path in seen:
-        return []
-    seen.add(path)
-    missing: list[str] = []
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
-            _importorskip(node)
-        for name in names:
-            top = name.split(".")[0]
-            local = HERE / f"{top}.py"
-            if local.exists():
-                missing += _missing_imports(local, seen)
-            elif importlib.util.find_spec(top) is None:
-                missing.append(top)
-    return missing
-
-
-def _importorskip(node: ast.stmt) -> list[str]:
-    """``x = pytest.importorskip("name")`` at a module's top: the package it needs."""
-    call = node.value if isinstance(node, (ast.Assign, ast.Expr)) else None
-    if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "importorskip" and call.args \
-            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
-        return [call.args[0].value]
-    return []
-
-
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     if _require_all() or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    missing = _missing_imports(collection_path)
+    missing = missing_imports(collection_path)
     if missing:
         _left_out[str(collection_path.relative_to(HERE.parent))] = f"needs {', '.join(sorted(set(missing)))}"
         return True
@@ -131,7 +98,7 @@ def _needs_model_plane(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _require_all():
         return
-    if any(importlib.util.find_spec(m) is None for m in _MODEL_PLANE):
+    if any(importlib.util.find_spec(m) is None for m in MODEL_PLANE):
         kept = [item for item in items if not _needs_model_plane(item)]
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[item for item in items if _needs_model_plane(item)])

@@ -170,6 +170,7 @@ class _Soak:
         self.killed: set[str] = set()
         self.report = SoakReport()
         self.phase = "warmup"
+        self.rss_from = 0.0
         self.deck: list[str] = []
         self.done = threading.Event()
         self.latencies: dict[str, list[float]] = {"clean": [], "faults": []}
@@ -280,14 +281,17 @@ class _Soak:
                 self.latencies[self.phase].append(time.monotonic() - t0)
 
     def sample_memory(self) -> None:
+        """RSS every 0.25 s of the faults phase, from ``rss_from_s`` into it: the bounded structures
+        (receipts, retained traces, the allocator's arenas) fill in the first minute under load, and
+        flat from there means nothing grows without bound."""
         while not self.done.wait(0.25):
-            if self.phase in ("clean", "faults"):
+            if self.phase == "faults" and time.monotonic() >= self.rss_from:
                 self.rss.append(_rss_mb())
 
     # -- the run ---------------------------------------------------------------------------------------
 
     def run(self, *, ipc_agents: int, http_agents: int, warmup_s: float, clean_s: float, faults_s: float,
-            fault_every_s: float, install_every_s: float) -> SoakReport:
+            fault_every_s: float, install_every_s: float, rss_from_s: float = 0.0) -> SoakReport:
         t_start = time.monotonic()
         for i in range(ipc_agents + http_agents):
             self.spawn("ipc" if i < ipc_agents else "http")
@@ -299,6 +303,7 @@ class _Soak:
         time.sleep(warmup_s)
         self.phase = "clean"
         time.sleep(clean_s)
+        self.rss_from = time.monotonic() + rss_from_s
         self.phase = "faults"
         end = time.monotonic() + faults_s
         while time.monotonic() < end:
@@ -402,7 +407,8 @@ class _Soak:
 
 
 def run_soak(*, seed: int = 0, ipc_agents: int = 3, http_agents: int = 3, warmup_s: float = 3.0, clean_s: float = 5.0,
-             faults_s: float = 20.0, fault_every_s: float = 1.0, install_every_s: float = 1.0) -> SoakReport:
+             faults_s: float = 20.0, fault_every_s: float = 1.0, install_every_s: float = 1.0,
+             rss_from_s: float = 0.0) -> SoakReport:
     """Run one soak against a fresh in-process server; the report says what held."""
     served = Served([sim_config(step_time_s=0.002)],
                     # Short retention, so memory reaches its steady state within the warm-up and
@@ -413,6 +419,7 @@ def run_soak(*, seed: int = 0, ipc_agents: int = 3, http_agents: int = 3, warmup
         with tempfile.TemporaryDirectory(prefix="rlengine-soak-") as workdir:
             return _Soak(served, workdir, seed).run(
                 ipc_agents=ipc_agents, http_agents=http_agents, warmup_s=warmup_s, clean_s=clean_s,
-                faults_s=faults_s, fault_every_s=fault_every_s, install_every_s=install_every_s)
+                faults_s=faults_s, fault_every_s=fault_every_s, install_every_s=install_every_s,
+                rss_from_s=rss_from_s)
     finally:
         served.close()

@@ -11,7 +11,7 @@ each step can cost simulated time. Tokens decode to one letter each
 
 It also polices the engine: ``step`` while asleep, or ``sleep`` with
 requests unfinished, raises - a colocation bug would show up as engine
-death in tests. ``events`` records sleeps, wakes, installs and steps.
+death in tests. ``events`` records sleeps, wakes, installs and steps (the latest 10,000).
 
 It is the backend for control-plane tests and benchmarks, not a model.
 """
@@ -127,7 +127,7 @@ class SimBackend:
         self._due: dict[int, list[_SimSeq]] = {}
         self.asleep = False
         self.steps = 0
-        self.events: deque[tuple[Any, ...]] = deque(maxlen=100_000)
+        self.events: deque[tuple[Any, ...]] = deque(maxlen=10_000)
 
     def _set_theta(self, theta: np.ndarray | None) -> None:
         self._theta = theta
