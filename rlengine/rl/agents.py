@@ -23,6 +23,10 @@ that only knows a base URL and an API key. The trainer:
 5. trains on the session's exact trace (``session_trajectory``): the tokens,
    logprobs and policy versions the engine sampled, never re-tokenized text.
 
+An episode whose worker died with it (a suspect: another episode of that
+worker may have crashed it) is played again from the start in a fresh
+session, in quarantine (a process of its own), up to ``max_reruns`` times,
+as ``SessionEnv`` does: the episode that crashed crashes again, alone.
 Failures are sorted for the counts (``AttemptFailure.kind``): a sandbox that
 died is ``crash``, a deadline ``timeout``, an agent whose HTTP connection or
 request failed (the worker names the exception) ``http``; a trace the
@@ -66,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -73,7 +78,7 @@ from typing import Any
 import msgspec
 
 from rlengine.errors import ConfigurationError
-from rlengine.rl.config import check_number
+from rlengine.rl.config import check_integer, check_number
 from rlengine.rl.sandbox import (
     Branches,
     SandboxError,
@@ -86,6 +91,8 @@ from rlengine.rl.sandbox import (
 )
 from rlengine.rl.types import AgentEnv, Trajectory
 from rlengine.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AgentProgram", "Branches", "HttpAgentEnv", "agent_main", "session_trajectory"]
 
@@ -104,10 +111,13 @@ class HttpAgentEnv(AgentEnv):
 
     def __init__(self, pool: SandboxPool, server: Any, task: Any, *, metadata: dict[str, Any] | None = None,
                  reward_fn: RewardFn | None = None, branches: Branches = "all", deadline_s: float | None = None,
-                 scoring_s: float = 0.0) -> None:
+                 scoring_s: float = 0.0, max_reruns: int = 2) -> None:
         if branches not in ("all", "last"):
             raise ConfigurationError(f"branches={branches!r}: must be 'all' or 'last'")
         check_number("scoring_s", scoring_s, minimum=0.0)
+        check_integer("max_reruns", max_reruns, minimum=0)
+        self.max_reruns = max_reruns
+        """Replays of an episode whose worker died with it (each in quarantine), at most."""
         self.scoring_s = float(scoring_s)
         if deadline_s is None:  # what the sandbox's bound leaves, with a margin of a tenth of it
             deadline_s = 0.9 * pool.job_timeout_s - self.scoring_s
@@ -131,6 +141,32 @@ class HttpAgentEnv(AgentEnv):
         return self._metadata
 
     async def run(self, params: SamplingParams, seed: int, max_turns: int) -> Trajectory:
+        job = {"task": self.task, "seed": seed, "max_turns": max_turns, "deadline_s": self.deadline_s,
+               "scoring_s": self.scoring_s, "sampling": job_sampling(params)}
+        reruns = 0
+        while True:
+            try:
+                result, trace, sid = await self._episode(job)
+                break
+            except SandboxError as exc:
+                # Its worker died with it (``SandboxError.suspect``): played again from the start, in
+                # a fresh session, in quarantine, where a game that crashed crashes alone.
+                if not exc.suspect or reruns >= self.max_reruns:
+                    raise
+                reruns += 1
+                job["isolate"] = True
+                log.info("rlengine.rl: an episode lost its sandbox (%s); playing it again in quarantine "
+                         "(re-run %d of at most %d)", exc, reruns, self.max_reruns)
+        self.result = result
+        reward = await self._reward(trace, result)
+        trajectory = session_trajectory(trace, reward, result_metrics(result), self.branches)
+        metadata: dict[str, Any] = {"session": sid, "branches": len(trace.trajectories)}
+        if reruns:
+            metadata["reruns"] = reruns
+        return msgspec.structs.replace(trajectory, metadata=metadata)
+
+    async def _episode(self, job: dict[str, Any]) -> tuple[dict[str, Any], Any, str]:
+        """One play of the episode in a session of its own: (the agent's result, the trace, the id)."""
         sessions = self.server.sessions
         session = sessions.open()
         sid = session.session_id
@@ -144,11 +180,9 @@ class HttpAgentEnv(AgentEnv):
         timer = asyncio.get_running_loop().call_later(self.deadline_s, deadline)
         try:
             result = await self.pool.run({
-                "session": sid, "base_url": f"{root}/sessions/{sid}/v1", "anthropic_base_url": f"{root}/sessions/{sid}",
-                "reward_url": f"{root}/sessions/{sid}/v1/reward",
-                "api_key": session.token, "model": self.server.model_name, "task": self.task, "seed": seed, "max_turns": max_turns,
-                "deadline_s": self.deadline_s, "scoring_s": self.scoring_s,
-                "sampling": job_sampling(params)})
+                **job, "session": sid, "base_url": f"{root}/sessions/{sid}/v1",
+                "anthropic_base_url": f"{root}/sessions/{sid}", "reward_url": f"{root}/sessions/{sid}/v1/reward",
+                "api_key": session.token, "model": self.server.model_name})
         except SandboxError as exc:
             if cut and exc.kind != "crash":  # the agent failed once its deadline cut it off
                 raise SandboxError(f"deadline_s={self.deadline_s} passed: {exc}", "timeout") from None
@@ -156,15 +190,12 @@ class HttpAgentEnv(AgentEnv):
         finally:
             timer.cancel()
             trace = sessions.collect(sid)
-        self.result = result
         if cut and cut[0]:
             raise SandboxError(f"deadline_s={self.deadline_s}: a turn was still being sampled", "timeout")
         if trace.tainted:
             raise SandboxError(f"session {sid}: a client went away mid-turn, after it may have read tokens the "
                                "trace lacks", "http")
-        reward = await self._reward(trace, result)
-        trajectory = session_trajectory(trace, reward, result_metrics(result), self.branches)
-        return msgspec.structs.replace(trajectory, metadata={"session": sid, "branches": len(trace.trajectories)})
+        return result, trace, sid
 
     async def _reward(self, trace: Any, result: dict[str, Any]) -> float:
         if self.reward_fn is not None:
