@@ -43,7 +43,6 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     """The ``SamplingParams.logprobs_mode`` values it records; the first is its default."""
     prompt_top_logprobs: int = 0
     """The most ``BackendRequest.prompt_top_logprobs`` it reports (0: none)."""
-    weight_install: bool = True
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""
     batch_invariant: bool = False

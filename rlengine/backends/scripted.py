@@ -66,7 +66,7 @@ class ScriptedBackend:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.capabilities = Capabilities(sleep=False, prompt_logprobs=False, stop_strings=True, weight_install=True,
+        self.capabilities = Capabilities(sleep=False, prompt_logprobs=False, stop_strings=True,
                                          constraints=True, top_logprobs=1,
                                          why_not_sleep="the scripted backend holds no accelerator memory")
         end = tokenizer.eos_token_id

@@ -113,7 +113,7 @@ class SimBackend:
     def __init__(self, config: SimConfig) -> None:
         self.config = cfg = config
         self.capabilities = Capabilities(
-            sleep=cfg.sleep_supported, prompt_logprobs=True, stop_strings=True, weight_install=True,
+            sleep=cfg.sleep_supported, prompt_logprobs=True, stop_strings=True,
             why_not_sleep="" if cfg.sleep_supported else "disabled by SimConfig.sleep_supported=False")
         self.vocab_size = cfg.vocab_size
         self.max_model_len = cfg.max_model_len

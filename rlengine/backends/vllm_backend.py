@@ -93,7 +93,7 @@ class VLLMBackend:
             else "vLLM was built without enable_sleep_mode=True")
         self.capabilities = Capabilities(sleep=sleep_ok, prompt_logprobs=True, stop_strings=True,
                                          constraints=True, top_logprobs=MAX_TOP_LOGPROBS,
-                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, weight_install=True,
+                                         prompt_top_logprobs=MAX_TOP_LOGPROBS,
                                          why_not_sleep=why, logprobs_modes=(logprobs_mode,))
         self._top: dict[str, int] = {}
         """Request id -> how many alternatives per token it asked for (only those that did)."""

@@ -32,7 +32,7 @@ from rlengine.backends.base import Backend, BackendRequest, RequestOutput
 from rlengine.core.compute import ComputeThread
 from rlengine.core.futures import RequestFuture, settle_all
 from rlengine.core.records import BlockingWork, Entry, LeaseRequest, SampleRequest, Sequence
-from rlengine.core.scheduler import Scheduler
+from rlengine.core.scheduler import LeaseState, Scheduler
 from rlengine.errors import (
     BackendRequestError,
     DrainTimeout,
@@ -147,7 +147,8 @@ class SamplerLoop:
         is simply aborted: nothing ran) or has already settled.
         """
         request = self._requests.get(request_id)
-        if request is None or request.lease is None or request.lease.state not in ("active", "paused"):
+        if request is None or request.lease is None \
+                or request.lease.state not in (LeaseState.ACTIVE, LeaseState.PAUSED):
             self.abort(request_id)
             return None
         lease = request.lease
@@ -354,7 +355,7 @@ class SamplerLoop:
         # cyclic collector never frees (it would keep every request alive).
         request.seqs = None
         lease = request.lease
-        if lease is not None and lease.state != "unknown":
+        if lease is not None and lease.state is not LeaseState.UNKNOWN:
             # The lease already knows its versions: the one at admission and
             # any it was resumed on after a pause. An abandoned request's lease
             # stays unknown (see ``abandon``).
@@ -375,7 +376,7 @@ class SamplerLoop:
         if lease is not None:
             if unknown:
                 self.gate.mark_unknown(lease, str(exc))
-            elif lease.state != "unknown":
+            elif lease.state is not LeaseState.UNKNOWN:
                 self.gate.settle(lease, "failed")
         request.seqs = None  # the request <-> sequence cycle, as in _complete
         if settled is not None:
@@ -389,7 +390,7 @@ class SamplerLoop:
         """Pause policy: abort running sequences in the backend, keeping their tokens."""
         leases = []
         for request in self._requests.values():
-            if request.lease is not None and request.lease.state == "active":
+            if request.lease is not None and request.lease.state is LeaseState.ACTIVE:
                 leases.append(request.lease)
             for seq in request.seqs or ():
                 if self._seqs.pop(seq.backend_id, None) is not None:
@@ -539,7 +540,7 @@ class SamplerLoop:
         failed: list[Outcome] = [(entry.future, False, error) for entry in self.gate.drain_pending()]
         for request in list(self._requests.values()):
             self._requests.pop(request.request_id, None)
-            if request.lease is not None and request.lease.state != "settled":
+            if request.lease is not None and request.lease.state is not LeaseState.SETTLED:
                 self.gate.mark_unknown(request.lease, f"engine died: {cause or error}")
             failed.append((request.future, False, error))
         self._seqs.clear()

@@ -14,8 +14,10 @@ every lease is drained (or, under the ``pause`` policy, paused). Samples
 queued before it finish first and samples queued after it start after it:
 no starvation of either kind. Admitted entries each get a *lease*.
 
-The request gate is the lease ledger of the same object: ``seal``,
-``drain``, ``install_version``, ``reopen`` and ``assert_healthy``. A lease
+The request gate is the lease ledger of the same object: ``seal``, the
+drain (``quiesced``; ``on_drained`` tells the sampler loop when the last
+running lease settles), ``install_version``, ``reopen`` and
+``assert_healthy``. A lease
 whose outcome is unknown (the backend failed mid-generation, a client went
 away before settlement) poisons the gate: ``install_version`` raises
 ``GatePoisoned`` until the lease is settled or written off
@@ -29,7 +31,7 @@ only: nothing here locks, blocks or touches the backend.
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import itertools
 import time
 from collections import deque
@@ -38,12 +40,22 @@ from typing import ClassVar, NamedTuple, Protocol
 
 import msgspec
 
-from rlengine.errors import DrainTimeout, GateError, GatePoisoned, ModelNotLoaded
+from rlengine.errors import GateError, GatePoisoned, ModelNotLoaded
 from rlengine.types import Receipt
 
-__all__ = ["Admission", "Lease", "Queued", "Scheduler"]
+__all__ = ["Admission", "Lease", "LeaseState", "Queued", "Scheduler"]
 
-_ACTIVE, _PAUSED, _UNKNOWN, _SETTLED = "active", "paused", "unknown", "settled"
+class LeaseState(str, enum.Enum):
+    """Where a lease is: running (``active``), held by the pause policy (``paused``), its outcome
+    lost (``unknown``: it poisons the gate), or ended (``settled``)."""
+
+    ACTIVE = "active"
+    PAUSED = "paused"
+    UNKNOWN = "unknown"
+    SETTLED = "settled"
+
+
+_ACTIVE, _PAUSED, _UNKNOWN, _SETTLED = LeaseState.ACTIVE, LeaseState.PAUSED, LeaseState.UNKNOWN, LeaseState.SETTLED
 _OUTCOMES = ("completed", "aborted", "failed", "written_off")
 
 
@@ -74,11 +86,11 @@ class Lease(msgspec.Struct, gc=False):
     session_id: str | None
     request_id: str
     versions: set[int] | None
-    state: str = _ACTIVE
+    state: LeaseState = LeaseState.ACTIVE
     reason: str = ""
 
     def __repr__(self) -> str:
-        return f"<Lease {self.lease_id} {self.request_id} {self.state}>"
+        return f"<Lease {self.lease_id} {self.request_id} {self.state.value}>"
 
     def add_version(self, version: int) -> None:
         """A token under this lease was (or will be) produced by ``version``."""
@@ -134,7 +146,6 @@ class Scheduler:
         self._active: dict[int, Lease] = {}
         self._paused: dict[int, Lease] = {}
         self._unknown: dict[int, Lease] = {}
-        self._drain_waiters: list[asyncio.Future[None]] = []
         self._head: tuple[Queued, float] | None = None
         """The blocking entry at the head of the FIFO, and since when it has been there."""
         self.on_drained: Callable[[], None] | None = None
@@ -255,11 +266,6 @@ class Scheduler:
             return
         if self.on_drained is not None:
             self.on_drained()
-        if self._drain_waiters:
-            waiters, self._drain_waiters = self._drain_waiters, []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
 
     def settle(self, lease: Lease, outcome: str, versions: Iterable[int] = ()) -> None:
         """Settle ``lease`` with ``outcome`` (completed, aborted, failed or written_off).
@@ -336,19 +342,6 @@ class Scheduler:
         if self._seals == 0:
             raise GateError("reopen() without a matching seal()")
         self._seals -= 1
-
-    async def drain(self, deadline: float) -> None:
-        """Wait until no lease is running, at most until ``deadline`` (monotonic)."""
-        if not self._active:
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._drain_waiters.append(waiter)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DrainTimeout(
-                f"{len(self._active)} lease(s) still running at the drain deadline: "
-                + ", ".join(lease.request_id for lease in list(self._active.values())[:8])) from None
 
     def assert_healthy(self) -> None:
         if self._unknown:

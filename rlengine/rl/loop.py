@@ -154,7 +154,6 @@ class TrainingRun:
         self.total_steps = config.steps if config.steps is not None else len(dataset)
         self.n_workers = config.resolved_workers
         self.error: BaseException | None = None
-        self.error_stage: str | None = None
         self.left_behind: list[str] = []
         """Stages that had to be cancelled after the grace period."""
         self.drained = 0
@@ -181,8 +180,6 @@ class TrainingRun:
         self._last_step_end = 0.0
         self._last_busy: tuple[float | None, float | None] = (None, None)
         self._dumps = step_files(config.train_from) if config.train_from is not None else []
-        self.dump_bytes = 0
-        """Bytes of step dumps written (``dump_rollouts``)."""
         self.last_checkpoint: str | None = resume[0] if resume else None
         """The newest checkpoint committed (the one resumed from, until this run commits one)."""
         self._batch: StepBatch | None = None
@@ -202,7 +199,7 @@ class TrainingRun:
 
     def _fail(self, stage: str, exc: BaseException) -> None:
         if self.error is None:
-            self.error, self.error_stage = exc, stage
+            self.error = exc
             exc.add_note(f"rlengine.rl: raised in the {stage}")
         self._abort.set()
         self._stop.set()
@@ -530,7 +527,7 @@ class TrainingRun:
             if train_metrics is None:
                 return False
         if cfg.dump_rollouts is not None:
-            self.dump_bytes += await asyncio.to_thread(write_step, cfg.dump_rollouts, batch.to_dump(lr))
+            await asyncio.to_thread(write_step, cfg.dump_rollouts, batch.to_dump(lr))
         return await self._finish_step(batch, train_metrics, train_started)
 
     async def _released_sampled(self, step: int) -> bool:

@@ -105,10 +105,6 @@ class RunLog:
             self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=config,
                                      name=os.path.basename(os.path.abspath(run_dir)), resume="allow")
 
-    @property
-    def trackers(self) -> list[str]:
-        return [name for name, on in (("tensorboard", self._tb), ("wandb", self._wandb)) if on is not None]
-
     def _append(self, path: str, record: dict[str, Any]) -> None:
         f = self._files.get(path)
         if f is None:

@@ -69,7 +69,7 @@ class Recorder:
     """A backend that records what it is asked to generate and finishes everything at once."""
 
     name = "recorder"
-    capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=True, weight_install=True,
+    capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=True,
                                 why_not_sleep="a test backend")
     vocab_size = 100
     max_model_len = 64

@@ -223,7 +223,7 @@ class TorchBackend:
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
                                          constraints=self.tokenizer is not None, top_logprobs=MAX_TOP_LOGPROBS,
-                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, weight_install=True, why_not_sleep=why,
+                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, why_not_sleep=why,
                                          logprobs_modes=("processed", "raw") if processed else ("raw", "processed"),
                                          batch_invariant=batch_invariant, kernel_check=kernel_check)
         # Every name a weight install may use (tied aliases included) and the
