@@ -53,7 +53,7 @@ def test_backend_crash_kills_engine_and_fails_everything_fast():
         for f in [*in_flight, queued_block, queued]:
             with pytest.raises(rle.EngineDeadError, match="GPU fell off the bus"):
                 f.result(WAIT)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 20  # typically 0.01 s; a hang would be WAIT (30 s) per future
         assert engine.state == "dead"
         late = s.sample([1], 1, params(3))
         with pytest.raises(rle.EngineDeadError):
@@ -74,7 +74,7 @@ def test_close_settles_queued_and_in_flight_work():
     time.sleep(0.02)
     t0 = time.monotonic()
     engine.close(timeout=10)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # typically 0.1 s: aborted, not run to the end
     assert running.result(0).sequences[0].stop_reason == "abort"
     assert queued_sample.result(0).sequences[0].stop_reason == "abort"
     for f in (block, queued_block):  # both still queued behind the draining sample
@@ -95,7 +95,7 @@ def test_close_is_bounded_even_with_stuck_blocking_work():
     time.sleep(0.05)
     t0 = time.monotonic()
     engine.close(timeout=0.3)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 15  # typically 0.3 s (the close timeout); the stuck work waits 20 s
     with pytest.raises(rle.EngineClosed, match="did not close"):
         stuck.result(0)
     release.set()

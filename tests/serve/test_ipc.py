@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import WAIT, Served, rss_mb, run_sandbox, sim_config
+from serving import WAIT, Served, run_sandbox, sim_config
 
 import rlengine as rle
 from rlengine import protocol as p
@@ -395,7 +395,7 @@ def test_shutdown_settles_in_flight_turns_and_removes_the_socket():
     s.close()
     for t in threads:
         t.join(WAIT)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 30  # typically under 1 s (grace 0.5 s); a hang would be WAIT per thread
     assert len(errors) == 4 and all(isinstance(e, (p.TurnAborted, p.ConnectionLost)) for e in errors), errors
     assert any(isinstance(e, p.TurnAborted) for e in errors)
     assert not os.path.exists(path)
@@ -460,18 +460,20 @@ def test_fuzz_a_server_connection_never_crashes(fuzz_served, data):
     if kind == "bytes":
         stream = data.draw(st.binary(max_size=120))
     else:
-        tokens = data.draw(st.lists(st.integers(-3, 300), max_size=6))
+        # Valid requests often enough that a server which hangs on them fails here too.
+        tokens = data.draw(st.one_of(st.just([1, 2]), st.lists(st.integers(-3, 300), max_size=6)))
         message = data.draw(st.sampled_from([
             p.Generate(id=1, session_id=sid, token=token, tokens_raw=array("i", tokens).tobytes(),
-                       sampling=data.draw(_sampling), n=data.draw(st.integers(-1, 3))),
+                       sampling=data.draw(st.one_of(st.just(p.Sampling(max_tokens=2)), _sampling)),
+                       n=data.draw(st.integers(-1, 3))),
             p.Chat(id=2, session_id=sid, token=data.draw(st.sampled_from([token, "bad"])),
                    messages=[p.Message(data.draw(st.text(max_size=4)), data.draw(st.text(max_size=8)))],
                    sampling=data.draw(_sampling)),
             p.Reward(id=3, session_id=sid, token=token, value=data.draw(st.floats())),
             p.OpenSession(id=4, session_id=data.draw(st.one_of(st.none(), st.text(max_size=10)))),
         ]))
-        stream = bytes(p.frame(enc, message))
-        stream = stream[:data.draw(st.integers(0, len(stream)))] if data.draw(st.booleans()) else stream
+        whole = bytes(p.frame(enc, message))
+        stream = whole[:data.draw(st.integers(0, len(whole)))] if data.draw(st.booleans()) else whole
 
     def feed():
         transport = _FakeTransport()
@@ -482,14 +484,18 @@ def test_fuzz_a_server_connection_never_crashes(fuzz_served, data):
         return conn, transport
 
     conn, transport = served.on_loop(feed)
-    deadline = time.monotonic() + WAIT
+    deadline = time.monotonic() + WAIT  # a 2-token turn takes milliseconds: the wait is for a loaded machine
     while served.on_loop(lambda: len(conn.turns)) and time.monotonic() < deadline:
         time.sleep(0.002)
+    hung = served.on_loop(lambda: len(conn.turns))
     served.on_loop(conn.connection_lost, None)
+    assert hung == 0, f"{hung} turn(s) still open {WAIT} s after the input: the server hung on {stream!r}"
     replies = p.FrameReader().feed(bytes(transport.out))
     decoder = msgspec.msgpack.Decoder(p.Reply)
     for body in replies:
         decoder.decode(body)
+    if kind == "request" and stream == whole:  # a whole request is answered, exactly once
+        assert len(replies) == 1, (message, replies)
 
 
 # -- bounded connections: limits, partial frames, idle clients ------------------------------------------------------
@@ -512,34 +518,49 @@ time.sleep(60)  # never completes them; the server closes them after frame_timeo
 """
 
 
-def test_partial_frame_floods_are_bounded_timed_out_and_freed():
-    # The flooding client is another process, so this process's RSS is the server's alone.
-    import subprocess
-    import sys
+# The server side of the flood, in a fresh process: its memory is then measured from the same
+# start whatever ran before (in this process, the heap that earlier tests left decided whether
+# freed frames went back to the system: the test failed in one order and passed in another).
+FLOOD_SERVER = """
+import json, os, subprocess, sys, time
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+from serving import WAIT, Served, rss_mb, sim_config
+from rlengine.sandbox_client import Client
+from rlengine.serve import ServeConfig
+s = Served([sim_config()], ServeConfig(http=False, max_buffered_bytes=64 << 20, frame_timeout_s=1.0))
+flood, out = None, {}
+try:
+    base = rss_mb()
+    flood = subprocess.Popen([sys.executable, "-c", sys.argv[1], s.ipc_path], stdout=subprocess.PIPE, text=True)
+    out["sent"] = flood.stdout.readline().strip()
+    out["held"] = s.on_loop(lambda: s.server.ipc.buffered)
+    out["flooded_mb"] = rss_mb() - base
+    deadline = time.monotonic() + WAIT
+    while s.on_loop(lambda: len(s.server.ipc.connections)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["after"] = s.on_loop(lambda: [len(s.server.ipc.connections), s.server.ipc.buffered])
+    out["after_mb"] = rss_mb() - base
+    with Client(s.ipc_path, timeout=WAIT) as c:  # and the server serves on
+        out["ping"] = c.ping(b"ok").decode()
+finally:
+    if flood is not None:
+        flood.kill()
+        flood.communicate(timeout=WAIT)  # reaped, its pipe closed
+    s.close()
+print(json.dumps(out))
+"""
 
-    s = Served([sim_config()], ServeConfig(http=False, max_buffered_bytes=64 << 20, frame_timeout_s=1.0))
-    flood = None
-    try:
-        base = rss_mb()
-        flood = subprocess.Popen([sys.executable, "-c", FLOOD, s.ipc_path], stdout=subprocess.PIPE, text=True)
-        assert flood.stdout.readline().strip() == "sent"
-        held = s.on_loop(lambda: s.server.ipc.buffered)
-        assert 0 < held <= 64 << 20
-        assert rss_mb() - base < 64 + 40  # MB: the budget, plus the reads in flight
-        # The partial frames are never completed: after frame_timeout_s every connection is closed.
-        deadline = time.monotonic() + WAIT
-        while s.on_loop(lambda: len(s.server.ipc.connections)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert s.on_loop(lambda: (len(s.server.ipc.connections), s.server.ipc.buffered)) == (0, 0)
-        after = rss_mb()
-        assert after - base < 24, (base, after)  # MB: the partial frames' memory went back to the system
-        with Client(s.ipc_path, timeout=WAIT) as c:  # and the server serves on
-            assert c.ping(b"ok") == b"ok"
-    finally:
-        if flood is not None:
-            flood.kill()
-            flood.communicate(timeout=WAIT)  # reaped, its pipe closed
-        s.close()
+
+def test_partial_frame_floods_are_bounded_timed_out_and_freed():
+    proc = run_sandbox(FLOOD_SERVER, FLOOD, timeout=3 * WAIT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sent"] == "sent" and 0 < out["held"] <= 64 << 20, out
+    assert out["flooded_mb"] < 64 + 40, out  # MB: the budget, plus the reads in flight
+    # The partial frames are never completed: after frame_timeout_s every connection is closed.
+    assert out["after"] == [0, 0], out
+    assert out["after_mb"] < 24, out  # MB: the partial frames' memory went back to the system
+    assert out["ping"] == "ok"
 
 
 def test_connections_beyond_the_limit_are_refused_and_idle_ones_closed():

@@ -255,7 +255,7 @@ def test_serve_exits_non_zero_soon_after_its_engine_dies():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1 and "replica 0 died" in err and "injected failure" in err, (out, err)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 25  # typically 0.3 s (the 0.25 s watch); a hang hits the 30 s timeout
     assert not os.path.exists(addresses["ipc"])  # it cleaned up on the way out
 
 

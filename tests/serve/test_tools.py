@@ -241,7 +241,8 @@ def test_a_request_too_large_for_the_context_is_refused_before_rendering_and_oth
         medium = [{"role": "user", "content": "lorem ipsum " * 10_000}]  # read, but refused before rendering
         with pytest.raises(openai.BadRequestError, match="120000 characters cannot fit"):
             client.chat.completions.create(model="tiny", messages=medium)
-    assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # generous: a shared 2-core VM
+    # Typically 0.01-0.05 s; on the loop the render stalled every client for seconds.
+    assert len(latencies) > 10 and max(latencies) < 1.0, max(latencies)
     assert client.chat.completions.create(model="tiny", messages=USER).choices[0].message.content == "fine"
 
 
@@ -267,17 +268,17 @@ class _SlowEncode:
 
 @pytest.fixture
 def slow_render(served):
-    """Chat turns of 500 characters or more rendered off the loop, by a tokenizer that takes 0.6 s."""
+    """Chat turns of 500 characters or more rendered off the loop, by a tokenizer that takes 2 s."""
     sessions = served.server.sessions
     renderer, offload = sessions.renderer, sessions.offload_chars
-    slow = _SlowEncode(renderer, 0.6, 400)
+    slow = _SlowEncode(renderer, 2.0, 400)
     sessions.renderer, sessions.offload_chars = slow, 500
     yield slow
     sessions.renderer, sessions.offload_chars = renderer, offload
 
 
 def test_a_long_prompt_is_tokenized_off_the_loop_while_others_stay_served(served, client, slow_render):
-    """A prompt that takes 0.6 s to tokenize: a probe's requests meanwhile are answered at once
+    """A prompt that takes 2 s to tokenize: a probe's requests meanwhile are answered at once
     (on the loop, every one of them waited for it), and the turn's trace is exactly the one an
     on-loop turn stores."""
     script(served, "fine")
@@ -288,7 +289,8 @@ def test_a_long_prompt_is_tokenized_off_the_loop_while_others_stay_served(served
                            timeout=WAIT) as c:
             assert c.chat.completions.create(model="tiny", messages=long).choices[0].message.content == "fine"
     assert slow_render.slow_calls == 1
-    assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)  # the encode alone took 0.6 s
+    # Typically 0.01-0.05 s; on the loop every probe meanwhile waited for the 2 s encode.
+    assert len(latencies) > 10 and max(latencies) < 1.0, max(latencies)
     # The same turn rendered on the loop: the same stored tokens.
     served.server.sessions.offload_chars = 10**9
     on_loop = open_http_session(served)
