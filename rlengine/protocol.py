@@ -72,6 +72,7 @@ __all__ = [
     "Unavailable",
     "Unsupported",
     "WireTrajectory",
+    "error_frame",
     "error_from_wire",
     "frame",
 ]
@@ -88,9 +89,13 @@ DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 class ServeError(RequestError):
     """A request to the server failed; the server keeps serving.
 
-    ``code`` is the wire code (``Error.code``) of the class."""
+    ``code`` is the wire code (``Error.code``) of the class. ``field`` and ``value`` name what was
+    wrong when one field's value was (``rlengine.errors.FieldError``; ``value`` as its repr, at most
+    80 characters), on every wire; None otherwise."""
 
     code: ClassVar[str] = "internal"
+    field: str | None = None
+    value: str | None = None
 
 
 class BadFrame(ServeError, ValueError):
@@ -180,11 +185,17 @@ ERROR_CODES: dict[str, type[ServeError]] = {cls.code: cls for cls in (
     SessionForbidden, SessionExists, SessionLimit, TurnAborted, Unavailable, ContextTooLong)}
 
 
-def error_from_wire(code: str, message: str) -> ServeError:
+def error_from_wire(code: str, message: str, field: str | None = None, value: str | None = None) -> ServeError:
     """The exception for a received ``Error``; an unknown code gives a plain ``ServeError``."""
     cls = ERROR_CODES.get(code, ServeError)
     exc = cls(message if cls is not ServeError or code == "internal" else f"[{code}] {message}")
+    exc.field, exc.value = field, value
     return exc
+
+
+def error_frame(request_id: int, exc: ServeError) -> Error:
+    """The ``Error`` reply reporting ``exc`` (its field and value included)."""
+    return Error(id=request_id, code=exc.code, message=str(exc), field=exc.field, value=exc.value)
 
 
 def _ints(raw: bytes) -> list[int]:
@@ -385,6 +396,10 @@ class Error(_Wire, tag="error"):
     id: int
     code: str
     message: str
+    field: str | None = None
+    """The field at fault (``ServeError.field``), when one field's value was."""
+    value: str | None = None
+    """Its value, as its repr (at most 80 characters)."""
 
 
 Reply = Pong | SessionOpened | TurnReply | TraceReply | Ack | Error

@@ -115,7 +115,7 @@ def _messages(messages: Sequence[Any]) -> list[Message]:
 
 def _check(reply: Reply, expected: type) -> Any:
     if isinstance(reply, Error):
-        raise error_from_wire(reply.code, reply.message)
+        raise error_from_wire(reply.code, reply.message, reply.field, reply.value)
     if not isinstance(reply, expected):
         raise ServeError(f"expected a {expected.__name__} reply, got {type(reply).__name__}")
     return reply
@@ -343,7 +343,7 @@ class AsyncClient:
         for reply in replies:
             if isinstance(reply, Error) and reply.id == 0:
                 # The server could not tell which request this answers.
-                self._fail_all(error_from_wire(reply.code, reply.message))
+                self._fail_all(error_from_wire(reply.code, reply.message, reply.field, reply.value))
                 continue
             fut = self._pending.pop(reply.id, None)
             if fut is not None and not fut.done():

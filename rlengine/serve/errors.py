@@ -19,6 +19,7 @@ from rlengine.errors import (
     ContextLengthExceeded,
     DrainTimeout,
     EngineDeadError,
+    FieldError,
     GateError,
     InvalidRequest,
     ModelNotLoaded,
@@ -28,6 +29,15 @@ from rlengine.protocol import ContextTooLong, InvalidValue, ServeError, TurnAbor
 from rlengine.trace.errors import TraceMemoryExceeded, UnknownSession
 
 __all__ = ["HTTP_STATUS", "to_serve_error"]
+
+_SHOWN = 80
+"""A reported value's repr is cut to this many characters (as ``FieldError`` shows it)."""
+
+
+def _with_field(err: ServeError, exc: FieldError) -> ServeError:
+    shown = repr(exc.value)
+    err.field, err.value = exc.field, shown if len(shown) <= _SHOWN else shown[:_SHOWN - 3] + "..."
+    return err
 
 log = logging.getLogger("rlengine.serve")
 
@@ -39,13 +49,13 @@ HTTP_STATUS: dict[str, int] = {
 
 
 def to_serve_error(exc: BaseException) -> ServeError:
-    """The ``ServeError`` to report for ``exc``."""
+    """The ``ServeError`` to report for ``exc``; a ``FieldError``'s field and value go with it."""
     if isinstance(exc, ServeError):
         return exc
     if isinstance(exc, ContextLengthExceeded):
-        return ContextTooLong(str(exc))
+        return _with_field(ContextTooLong(str(exc)), exc)
     if isinstance(exc, InvalidRequest):
-        return InvalidValue(str(exc))
+        return _with_field(InvalidValue(str(exc)), exc)
     if isinstance(exc, EngineDeadError):
         return Unavailable(f"the engine is not serving: {exc}")
     if isinstance(exc, TraceMemoryExceeded):

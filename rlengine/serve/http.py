@@ -39,7 +39,8 @@ It binds 127.0.0.1 unless told otherwise; with ``api_key`` (``Server`` passes
 request must carry ``Authorization: Bearer <api_key>`` (what the ``openai``
 client sends) or ``x-api-key: <api_key>`` (the ``anthropic`` client), but for
 those on a session's own base URL, which carry its token.
-Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``) with
+Errors have OpenAI's shape (``{"error": {"message", "type", "code", "param"}}``,
+``param`` naming the field at fault, and ``value`` its value) with
 the status of their code (``rlengine.serve.errors.HTTP_STATUS``): a retired
 session is 410 Gone.
 
@@ -200,10 +201,12 @@ def _error(exc: BaseException, anthropic: bool = False) -> web.Response:
     if anthropic:
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
             status, "invalid_request_error" if status < 500 else "api_error")
-        return web.json_response({"type": "error", "error": {"type": kind, "message": f"{err.code}: {err}"}},
+        return web.json_response({"type": "error", "error": {"type": kind, "message": f"{err.code}: {err}",
+                                                              "param": err.field, "value": err.value}},
                                  status=status)
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": str(err), "type": kind, "code": err.code, "param": None}}
+    # OpenAI's ``param`` names the field at fault; ``value`` (its repr) is ours.
+    body = {"error": {"message": str(err), "type": kind, "code": err.code, "param": err.field, "value": err.value}}
     return web.json_response(body, status=status)
 
 

@@ -72,6 +72,7 @@ from rlengine.protocol import (
     TraceReply,
     TurnReply,
     WireTrajectory,
+    error_frame,
 )
 from rlengine.serve.errors import to_serve_error
 from rlengine.serve.sessions import SessionManager, TurnResult
@@ -200,8 +201,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._handlers[type(request)](request)
         except Exception as exc:  # noqa: BLE001 - every failure becomes this request's Error
-            err = to_serve_error(exc)
-            self.send(Error(id=request.id, code=err.code, message=str(err)))
+            self.send(error_frame(request.id, to_serve_error(exc)))
 
     def eof_received(self) -> bool:
         # EOF means the client is gone: a unix socket's half-close cannot be
@@ -328,8 +328,7 @@ class _Connection(asyncio.Protocol):
             result = fut.result(0)
             self.send(TurnReply(id=request_id, prompt_tokens=result.prompt_tokens, choices=result.choices))
         else:
-            err = to_serve_error(exc)
-            self.send(Error(id=request_id, code=err.code, message=str(err)))
+            self.send(error_frame(request_id, to_serve_error(exc)))
         self._serve_held()
 
 
