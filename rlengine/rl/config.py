@@ -198,9 +198,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             check_integer(name, getattr(self, name), minimum=0)
         if self.workers is not None:
             check_integer("workers", self.workers, minimum=1)
-        if isinstance(self.max_failure_share, bool) or not isinstance(self.max_failure_share, (int, float)) \
-                or not 0 < self.max_failure_share <= 1:
-            raise ConfigurationError(f"max_failure_share={self.max_failure_share!r}: must be in (0, 1]")
+        check_number("max_failure_share", self.max_failure_share, minimum=0, exclusive=True, maximum=1)
         if self.min_surviving_attempts > self.group_size:
             raise ConfigurationError(f"min_surviving_attempts={self.min_surviving_attempts}: exceeds "
                                      f"group_size={self.group_size}")
@@ -292,21 +290,28 @@ placement moves the same computation: a different number of trainer workers sums
 gradient in another order, a float rounding apart)."""
 
 
-def check_integer(name: str, value: object, minimum: int | None) -> None:
-    """A ``ConfigurationError`` naming ``name`` unless ``value`` is an integer (>= ``minimum``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
+def check_integer(name: str, value: object, minimum: int | None, maximum: int | None = None) -> None:
+    """A ``ConfigurationError`` naming ``name`` unless ``value`` is an integer (>= ``minimum``,
+    <= ``maximum``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum) \
+            or (maximum is not None and value > maximum):
+        bound = (f" in {minimum}..{maximum}" if minimum is not None and maximum is not None
+                 else f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else "")
         raise ConfigurationError(f"{name}={value!r}: must be an integer{bound}")
 
 
-def check_number(name: str, value: object, minimum: float | None, exclusive: bool = False) -> None:
+def check_number(name: str, value: object, minimum: float | None, exclusive: bool = False,
+                 maximum: float | None = None) -> None:
     """A ``ConfigurationError`` naming ``name`` unless ``value`` is a finite number (>= ``minimum``,
-    or > with ``exclusive``)."""
+    or > with ``exclusive``; <= ``maximum``)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     if ok and minimum is not None:
         ok = value > minimum if exclusive else value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
     if not ok:
         bound = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum}"
+        bound += "" if maximum is None else f"{',' if bound else ''} <= {maximum}"
         raise ConfigurationError(f"{name}={value!r}: must be a finite number{bound}")
 
 

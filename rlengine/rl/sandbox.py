@@ -36,6 +36,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from rlengine.rl.config import check_integer
 from rlengine.rl.sandbox_pool import SandboxError, SandboxPool, SandboxUnavailable
 from rlengine.rl.sandbox_worker import die_with_parent, failure_kind, not_dumpable, serve_job_lines, worker_main
 from rlengine.rl.types import AgentEnv, Observation, Trajectory, Transition
@@ -133,8 +134,7 @@ class SessionEnv(AgentEnv):
                  branches: Branches = "all", max_reruns: int = 2) -> None:
         if branches not in ("all", "last"):
             raise ValueError(f"branches={branches!r}: must be 'all' or 'last'")
-        if isinstance(max_reruns, bool) or not isinstance(max_reruns, int) or max_reruns < 0:
-            raise ValueError(f"max_reruns={max_reruns!r}: must be an integer >= 0")
+        check_integer("max_reruns", max_reruns, minimum=0)
         self.branches = branches
         self.max_reruns = max_reruns
         self.pool = pool

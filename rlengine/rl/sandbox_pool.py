@@ -62,7 +62,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import shutil
 import socket
@@ -74,6 +73,7 @@ import msgspec
 
 from rlengine.backends.torch.threads import THREAD_VARIABLES
 from rlengine.errors import RLEngineError
+from rlengine.rl.config import check_integer, check_number
 from rlengine.rl.sandbox_worker import WORKER_CONNECTION
 
 if TYPE_CHECKING:
@@ -213,13 +213,10 @@ class SandboxPool:
                  grace_s: float = 3.0, env: dict[str, str] | None = None, address_space_bytes: int | None = 8 << 30,
                  open_files: int = 1024, cpu_seconds: int | None = None, readable: tuple[str, ...] = (),
                  start_timeout_s: float = 60.0, max_failed_starts: int = 5, restart_backoff_s: float = 0.1) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size={size!r}: must be an integer >= 1")
-        if isinstance(max_failed_starts, bool) or not isinstance(max_failed_starts, int) or max_failed_starts < 1:
-            raise ValueError(f"max_failed_starts={max_failed_starts!r}: must be an integer >= 1")
-        for name, value in (("start_timeout_s", start_timeout_s), ("restart_backoff_s", restart_backoff_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
+        check_integer("size", size, minimum=1)
+        check_integer("max_failed_starts", max_failed_starts, minimum=1)
+        check_number("start_timeout_s", start_timeout_s, minimum=0)
+        check_number("restart_backoff_s", restart_backoff_s, minimum=0)
         self.module = module
         self.readable = tuple(readable)
         """Directories workers read beyond the import paths (an agent program's own), mounted back

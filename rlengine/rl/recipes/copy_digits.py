@@ -57,7 +57,7 @@ import numpy as np
 from rlengine.backends.torch.models import prepare_char_model
 from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
-from rlengine.rl.config import TrainConfig
+from rlengine.rl.config import TrainConfig, check_integer
 from rlengine.rl.recipes import Recipe, SeededBatches
 from rlengine.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StepResult
 from rlengine.types import ModelInput
@@ -90,12 +90,9 @@ class CopyOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """Numbers held out of training and used for evaluation; None: a tenth of them, at most 100."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.digits, bool) or not isinstance(self.digits, int) or not 1 <= self.digits <= 8:
-            raise ConfigurationError(f"digits={self.digits!r}: must be an integer in 1..8")
-        pool = 10 ** self.digits
-        if self.eval_size is not None and (isinstance(self.eval_size, bool) or not isinstance(self.eval_size, int)
-                                           or not 0 <= self.eval_size <= pool // 2):
-            raise ConfigurationError(f"eval_size={self.eval_size!r}: must be an integer in 0..{pool // 2}")
+        check_integer("digits", self.digits, minimum=1, maximum=8)
+        if self.eval_size is not None:
+            check_integer("eval_size", self.eval_size, minimum=0, maximum=10 ** self.digits // 2)
 
     @property
     def held_out(self) -> int:
