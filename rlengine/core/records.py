@@ -147,17 +147,20 @@ class Sequence(msgspec.Struct, gc=False):
     def length(self) -> int:
         return 0 if self.tokens is None else len(self.tokens)
 
-    def add(self, token_ids: Any, logprobs: Any, version: int, top_ids: Any = None, top_logprobs: Any = None) -> None:
+    def add(self, token_ids: Any, logprobs: Any, version: int, top_ids: Any = None, top_logprobs: Any = None, *,
+            adopt: bool = True) -> None:
         """Append a report. A first report of int32 / float32 arrays (what backends
         that report once, finished, hand over: ``RequestOutput.token_ids``) is
-        taken over without a copy."""
+        taken over without a copy, unless ``adopt`` is False: a streaming consumer
+        was handed the same arrays and may still hold them, and later reports
+        extend what is taken over."""
         if top_ids is not None:
             if self.top_ids is None:
                 self.top_ids, self.top_logprobs = array("i"), array("f")
             self.top_ids.extend(top_ids)
             self.top_logprobs.extend(top_logprobs)  # type: ignore[union-attr]
         if self.tokens is None:
-            if type(token_ids) is array and token_ids.typecode == "i" and type(logprobs) is array \
+            if adopt and type(token_ids) is array and token_ids.typecode == "i" and type(logprobs) is array \
                     and logprobs.typecode == "f":
                 self.tokens, self.logprobs = token_ids, logprobs
             else:

@@ -309,7 +309,8 @@ class SamplerLoop:
                 continue
             request = seq.request
             if out.token_ids:
-                seq.add(out.token_ids, out.logprobs, version, out.top_ids, out.top_logprobs)
+                seq.add(out.token_ids, out.logprobs, version, out.top_ids, out.top_logprobs,
+                        adopt=request.on_tokens is None)
                 if request.on_tokens is not None:
                     self._deliver(seq, out, version)
             if out.prompt_logprobs is not None:

@@ -373,3 +373,24 @@ def test_settled_requests_are_freed_and_a_closed_engine_too():
     del engine
     gc.collect()
     assert ref() is None
+
+
+def test_streamed_token_batches_are_the_consumers_to_keep():
+    """``on_tokens`` gets each report once, and what it was given never changes afterwards: the
+    sequence must not take over (and then extend) the array a streaming consumer holds. (Before,
+    the first report's array grew with later tokens: a stream that kept it read them twice, "Leet
+    me check." for "Let me check.")"""
+    cfg = rle.EngineConfig(backend="sim", sim=rle.SimConfig(gen_len=10_000, step_time_s=0.001))
+    kept: list[tuple[int, ...]] = []
+    seen: list[object] = []
+
+    def on_tokens(index: int, ids, _lps, _version: int) -> None:
+        seen.append(ids)  # held, as a queue of a streaming server holds it
+        kept.append(tuple(ids))
+
+    with rle.Engine(cfg) as e:
+        spec = e.validate_sample(prompt(1, 2, 3), 1, rle.SamplingParams(max_tokens=12))
+        out = e.submit_sample(spec, on_tokens=on_tokens).result(30)
+    tokens = list(out.sequences[0].tokens)
+    assert len(kept) > 1 and [t for batch in kept for t in batch] == tokens
+    assert [tuple(ids) for ids in seen] == kept  # nothing it was handed grew later
