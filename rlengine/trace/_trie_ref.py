@@ -26,17 +26,16 @@ from array import array
 from typing import Any
 
 from rlengine.errors import InvalidRequest
+from rlengine.trace._trie_ref_share import ATTACH as _ATTACH
+from rlengine.trace._trie_ref_share import KIND_ENVIRONMENT, KIND_PROMPT, KIND_SAMPLED, SharedTrees
+from rlengine.trace._trie_ref_share import SHARED as _SHARED
+from rlengine.trace._trie_ref_share import VIEW as _VIEW
 from rlengine.trace.errors import TraceMemoryExceeded
 
 __all__ = ["KIND_ENVIRONMENT", "KIND_PROMPT", "KIND_SAMPLED", "TokenTrie"]
 
-KIND_PROMPT = 0
-KIND_SAMPLED = 1
-KIND_ENVIRONMENT = 2
 _KINDS = (KIND_PROMPT, KIND_SAMPLED, KIND_ENVIRONMENT)
 _FREE = 255
-# Node flags, as csrc/trie_arena.h: in a shared tree; a view's attachment; a view's root.
-_SHARED, _ATTACH, _VIEW = 1, 2, 4
 _GEN_MASK = 0x7FFFFFFF
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -86,7 +85,7 @@ def _check_tokens(tokens: array) -> None:
         raise InvalidRequest(f"tokens[{bad}]", tokens[bad], "token ids must be >= 0")
 
 
-class TokenTrie:
+class TokenTrie(SharedTrees):
     """A forest of radix tries over int32 token ids (pure Python).
 
     Nodes are indices into parallel lists; a node's children are a dict from
@@ -175,150 +174,6 @@ class TokenTrie:
         if self._max_bytes and self._nominal_bytes(self._live_tokens + tokens,
                                                    self._live_nodes + nodes) > self._max_bytes:
             raise TraceMemoryExceeded(self._max_bytes, self.memory_bytes, tokens)
-
-    # -- views ---------------------------------------------------------------
-
-    def _shared_region(self, n: int) -> bool:
-        return bool(self._flags[n] & (_SHARED | _ATTACH))
-
-    def _base(self, n: int) -> int:
-        """The shared node a shared-region position stands at (a view root: its shared root)."""
-        return self._parent[n] if self._flags[n] & _ATTACH else n
-
-    def _path_child(self, anchor: int, x: int) -> int:
-        c = anchor
-        while c >= 0 and self._parent[c] != x:
-            c = self._parent[c]
-        return c
-
-    def _child(self, view: int, node: int, first: int) -> int | None:
-        """The child of ``node`` starting with ``first`` that ``view`` sees (-1: every child)."""
-        if view < 0 or not self._shared_region(node):
-            return self._children[node].get(first)
-        x = self._base(node)
-        c = self._path_child(self._anchor[view], x)
-        if c >= 0 and self._tok[c][0] == first:
-            return c
-        a = self._attach[view].get(x)
-        return None if a is None else self._children[a].get(first)
-
-    def _view_holds(self, view: int, n: int) -> bool:
-        if n == view:
-            return True
-        while not self._shared_region(n):
-            n = self._parent[n]
-            if n < 0:
-                return False
-        if self._flags[n] & _ATTACH:
-            return self._view[n] == view
-        x = self._anchor[view]
-        while x >= 0:
-            if x == n:
-                return True
-            x = self._parent[x]
-        return False
-
-    def _resolve(self, at: Any, view: Any) -> tuple[int, int]:
-        """(node to walk from, view or -1), refused as rle_trie_walk_view refuses."""
-        node = self._node(at)
-        if view is not None:
-            v = self._node(view) if self._is_node(view) else -1
-            if v < 0 or not self._flags[v] & _VIEW or not self._view_holds(v, node):
-                raise InvalidRequest("view", view, f"not a view of this trie that holds at={at}")
-            return (v if node == self._parent[v] else node), v
-        if self._flags[node] & _VIEW:
-            return node, node
-        if self._flags[node] & _SHARED:
-            raise InvalidRequest("view", None, f"at={at} is a shared node: pass the view to walk it in")
-        return node, -1
-
-    def _attachment_new(self, view: int, x: int) -> int:
-        a = self._alloc()
-        self._flags[a], self._parent[a], self._view[a] = _ATTACH, x, view
-        self._attach[view][x] = a
-        return a
-
-    def _extend(self, view: int, tokens: array) -> int:
-        """Store shareable ``tokens`` after the view's anchor in the shared tree (see csrc/trie_share.c)."""
-        anchor = self._anchor[view]
-        node, offset, matched = self._walk(anchor, tokens)
-        need_split = offset < len(self._tok[node])
-        rest = len(tokens) - matched
-        self._reserve(rest, need_split + (rest > 0))
-        end = self._split(node, offset) if need_split else node
-        if rest > 0:
-            end = self._append(end, tokens, None, None, matched, KIND_PROMPT, -1)
-            self._flags[end] = _SHARED
-            self._shared_tokens += rest
-        x = end
-        while x != anchor:
-            self._refs[x] += 1
-            x = self._parent[x]
-        self._anchor[view] = end
-        return self._handle(end)
-
-    def _view_insert(self, view: int, node: int, offset: int, matched: int, tokens: array,
-                     logprobs: array | None, versions: array | None, kind: int, request_id: int) -> int:
-        extra = len(tokens) - matched
-        self._check_extra(extra)
-        need_split = offset < len(self._tok[node])
-        base = self._base(node)
-        a = self._attach[view].get(base)
-        shareable = kind == KIND_PROMPT and request_id == -1 and (
-            logprobs is None or logprobs[matched:].tobytes() == bytes(4 * extra))  # +0.0 only, bit for bit
-        if (extra > 0 and not need_split and base == self._anchor[view] and (a is None or not self._children[a])
-                and shareable):
-            return self._extend(view, tokens[matched:])
-        if need_split:
-            a = None
-        need_attach = extra > 0 and a is None
-        self._reserve(extra, need_split + need_attach + (extra > 0))
-        if need_split:
-            node = base = self._split(node, offset)
-        if extra == 0:
-            return self._handle(node)
-        if a is None:
-            a = self._attachment_new(view, base)
-        return self._handle(self._append(a, tokens, logprobs, versions, matched, kind, request_id))
-
-    def _view_leaves(self, view: int) -> list[int]:
-        out: list[int] = []
-        anchor = x = self._anchor[view]
-        while x >= 0:
-            a = self._attach[view].get(x)
-            if a is not None and self._children[a]:
-                out.extend(self._leaves_below(a))
-            elif x == anchor and self._parent[x] >= 0:
-                out.append(self._handle(x))
-            x = self._parent[x]
-        return out
-
-    def _drop_view(self, view: int) -> int:
-        freed = 0
-        for a in list(self._attach[view].values()):
-            for c in list(self._children[a].values()):
-                freed += self._free_below(c)
-            self._children[a] = {}
-            if a != view:
-                self._release(a)
-        x = self._anchor[view]
-        while x >= 0:
-            p = self._parent[x]
-            self._refs[x] -= 1
-            if self._refs[x] == 0:
-                if p >= 0:
-                    del self._children[p][self._tok[x][0]]
-                else:
-                    self._roots -= 1
-                length = len(self._tok[x])
-                freed += length
-                self._live_tokens -= length
-                self._shared_tokens -= length
-                self._release(x)
-            x = p
-        self._release(view)
-        self._views -= 1
-        return freed
 
     # -- walking and storing -------------------------------------------------
 
@@ -435,25 +290,6 @@ class TokenTrie:
         idx = self._alloc()
         self._roots += 1
         return self._handle(idx)
-
-    def new_shared_root(self) -> int:
-        self._reserve(0, 1)
-        idx = self._alloc()
-        self._flags[idx] = _SHARED
-        self._roots += 1
-        return self._handle(idx)
-
-    def new_view(self, shared_root: int) -> int:
-        root = self._node(shared_root)
-        if not self._flags[root] & _SHARED or self._parent[root] >= 0:
-            raise InvalidRequest("shared_root", shared_root, "not a shared root (new_shared_root)")
-        self._reserve(0, 1)
-        v = self._alloc()
-        self._flags[v], self._parent[v], self._view[v], self._anchor[v] = _ATTACH | _VIEW, root, v, root
-        self._attach[v] = {root: v}
-        self._refs[root] += 1
-        self._views += 1
-        return self._handle(v)
 
     def insert(self, at: int, tokens: Any, logprobs: Any = None, versions: Any = None, kind: int = KIND_PROMPT,
                request_id: int = -1, view: int | None = None) -> tuple[int, int]:
