@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``POST /v1/messages``) in terms of the session layer's chat turns.
 
-Pure translation, no I/O (``serve.http`` serves it): a Messages request
+Pure translation, no I/O (``serve.http_turns`` serves it): a Messages request
 becomes the chat messages, tools, ``ToolUse`` and sampling parameters a
 Chat Completions request would give, so both APIs share one session layer
 and their turns are traced alike; a finished turn becomes a Messages
@@ -31,7 +31,7 @@ import msgspec
 
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import Choice, Unsupported
-from rlengine.serve.sessions import ToolUse
+from rlengine.serve.session_types import ToolUse
 from rlengine.types import SamplingParams
 
 __all__ = ["MessageEvents", "MessagesRequest", "content_blocks", "message_body", "sse", "stop_details", "to_chat"]
@@ -238,7 +238,7 @@ def sse(encode: Callable[[Any], bytes], event: str, data: dict[str, Any]) -> byt
 
 
 class MessageEvents:
-    """The events of one streamed message (``serve.http``'s ``StreamDialect``): ``message_start``,
+    """The events of one streamed message (``serve.http_stream``'s ``StreamDialect``): ``message_start``,
     a text block as its text settles, a ``tool_use`` block per call, ``message_delta``, ``message_stop``."""
 
     def __init__(self, encode: Callable[[Any], bytes], message_id: str, model: str,

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (``POST /v1/responses``) in terms of the session layer's chat turns.
 
-Pure translation, no I/O (``serve.http`` serves it), as ``serve.anthropic``:
+Pure translation, no I/O (``serve.http_turns`` serves it), as ``serve.anthropic``:
 
 * ``input`` is a string or a list of items: messages (``user``, ``system``,
   ``developer``, ``assistant``; string content or ``input_text`` /
@@ -32,7 +32,7 @@ import msgspec
 from rlengine.constraints import json_response, tool_choice
 from rlengine.errors import InvalidRequest
 from rlengine.protocol import Choice, Unsupported
-from rlengine.serve.sessions import ToolUse
+from rlengine.serve.session_types import ToolUse
 from rlengine.types import SamplingParams
 
 __all__ = ["ResponseEvents", "ResponsesRequest", "response_body", "to_chat"]
@@ -210,7 +210,7 @@ def response_body(response_id: str, model: str, req: ResponsesRequest, choice: C
 
 
 class ResponseEvents:
-    """The server-sent events of one streamed response, numbered in order (``serve.http``'s
+    """The server-sent events of one streamed response, numbered in order (``serve.http_stream``'s
     ``StreamDialect``)."""
 
     def __init__(self, encode: Callable[[Any], bytes], response_id: str, model: str, req: ResponsesRequest) -> None:
