@@ -2,8 +2,10 @@
 
 One role per module, each the single owner of its per-request records:
 
-* ``engine``    - ``Engine``: lifecycle, the thread-safe hand-in, the one
-  validated submission path (``Engine.sample``); it talks to the sampler only;
+* ``engine``    - ``Engine``: its state and read-outs, made of three parts:
+  ``lifecycle`` (start, close, threads), ``submission`` (the one validated
+  submission path, ``Engine.sample``, and the thread-safe hand-in) and
+  ``installs`` (weight installs through the gate); it talks to the sampler only;
 * ``sampler``   - ``SamplerLoop``: changes and settles every request from
   submission to settlement, steps the backend on the compute thread;
 * ``records``   - the per-request records it owns (sample calls and their

@@ -70,7 +70,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -85,14 +84,13 @@ from rlengine.rl.sandbox import (
     SandboxPool,
     job_sampling,
     not_dumpable,
+    replay_suspects,
     result_metrics,
     serve_job_lines,
     session_trajectory,
 )
 from rlengine.rl.types import AgentEnv, Trajectory
 from rlengine.types import SamplingParams
-
-log = logging.getLogger(__name__)
 
 __all__ = ["AgentProgram", "Branches", "HttpAgentEnv", "agent_main", "session_trajectory"]
 
@@ -143,20 +141,8 @@ class HttpAgentEnv(AgentEnv):
     async def run(self, params: SamplingParams, seed: int, max_turns: int) -> Trajectory:
         job = {"task": self.task, "seed": seed, "max_turns": max_turns, "deadline_s": self.deadline_s,
                "scoring_s": self.scoring_s, "sampling": job_sampling(params)}
-        reruns = 0
-        while True:
-            try:
-                result, trace, sid = await self._episode(job)
-                break
-            except SandboxError as exc:
-                # Its worker died with it (``SandboxError.suspect``): played again from the start, in
-                # a fresh session, in quarantine, where a game that crashed crashes alone.
-                if not exc.suspect or reruns >= self.max_reruns:
-                    raise
-                reruns += 1
-                job["isolate"] = True
-                log.info("rlengine.rl: an episode lost its sandbox (%s); playing it again in quarantine "
-                         "(re-run %d of at most %d)", exc, reruns, self.max_reruns)
+        # An episode whose worker died with it (a suspect) is played again, in quarantine.
+        (result, trace, sid), reruns = await replay_suspects(self._episode, job, self.max_reruns)
         self.result = result
         reward = await self._reward(trace, result)
         trajectory = session_trajectory(trace, reward, result_metrics(result), self.branches)

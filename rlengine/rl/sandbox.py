@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -43,13 +44,35 @@ from rlengine.rl.types import AgentEnv, Observation, Trajectory, Transition
 from rlengine.types import ModelInput, SampledSequence, SamplingParams
 
 __all__ = ["Branches", "SandboxError", "SandboxPool", "SandboxUnavailable", "SessionEnv", "die_with_parent",
-           "failure_kind", "job_sampling", "not_dumpable", "result_metrics", "serve_job_lines", "session_trajectory",
-           "worker_main"]
+           "failure_kind", "job_sampling", "not_dumpable", "replay_suspects", "result_metrics", "serve_job_lines",
+           "session_trajectory", "worker_main"]
 
 Branches = Literal["all", "last"]
 """Which branches of a session an episode trains (``rlengine.rl.agents`` says how)."""
 
 log = logging.getLogger("rlengine")
+
+_T = TypeVar("_T")
+
+
+async def replay_suspects(play: Callable[[dict[str, Any]], Awaitable[_T]], job: dict[str, Any],
+                          max_reruns: int) -> tuple[_T, int]:
+    """``play(job)``, played again from the start while it fails as a suspect (``SandboxError.suspect``:
+    its worker died while it was in flight), at most ``max_reruns`` times, each replay in quarantine
+    (``"isolate": true``: a process of its own), where a game that crashed crashes alone. Returns what
+    the last play returned and the number of replays; any other failure, or a suspect past
+    ``max_reruns``, is raised. ``play`` gets a fresh session each time: the partial one is its to drop."""
+    reruns = 0
+    while True:
+        try:
+            return await play(job), reruns
+        except SandboxError as exc:
+            if not exc.suspect or reruns >= max_reruns:
+                raise
+            reruns += 1
+            job = job | {"isolate": True}
+            log.info("rlengine.rl: an episode lost its sandbox (%s); playing it again in quarantine "
+                     "(re-run %d of at most %d)", exc, reruns, max_reruns)
 
 
 def _runs(mask: np.ndarray, start: int) -> list[tuple[int, int]]:
@@ -148,25 +171,7 @@ class SessionEnv(AgentEnv):
     async def run(self, params: SamplingParams, seed: int, max_turns: int) -> Trajectory:
         job: dict[str, Any] = {"task": self.task, "seed": seed, "max_turns": max_turns,
                                "sampling": job_sampling(params)}
-        reruns = 0
-        while True:
-            session = self.sessions.open()
-            sid = session.session_id
-            try:
-                result = await self.pool.run(job | {"session": sid, "token": session.token})
-            except SandboxError as exc:
-                self.sessions.collect(sid)  # the partial game is dropped
-                if not exc.suspect or reruns >= self.max_reruns:
-                    raise
-                reruns += 1
-                job["isolate"] = True
-                log.info("rlengine.rl: session %s lost its sandbox (%s); playing it again in quarantine "
-                         "(re-run %d of at most %d)", sid, exc, reruns, self.max_reruns)
-                continue
-            except BaseException:
-                self.sessions.collect(sid)
-                raise
-            break
+        (sid, result), reruns = await replay_suspects(self._play, job, self.max_reruns)
         trace = self.sessions.collect(sid)
         reward = None if trace.latest is None else trace.rewards[trace.latest]
         if reward is None:
@@ -176,3 +181,13 @@ class SessionEnv(AgentEnv):
         if reruns:
             metadata["reruns"] = reruns
         return msgspec.structs.replace(trajectory, metadata=metadata)
+
+    async def _play(self, job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """One play of the episode in a fresh session: (the session's id, the worker's result)."""
+        session = self.sessions.open()
+        sid = session.session_id
+        try:
+            return sid, await self.pool.run(job | {"session": sid, "token": session.token})
+        except BaseException:
+            self.sessions.collect(sid)  # the partial game is dropped
+            raise
