@@ -14,12 +14,20 @@ The distinction that matters to callers is recoverable vs fatal:
 
 Messages name the offending field and value. Every error survives
 ``pickle`` (Ray actors and multiprocessing pickle exceptions) with its
-message and its fields, whatever its ``__init__`` takes. This module imports
-nothing but the standard library so that sandboxes and the wire protocol can
-share it.
+message and its fields, whatever its ``__init__`` takes.
+
+``WIRE`` is the one table of how each error class is reported on every wire
+(IPC, the HTTP APIs, the Tinker server): its code, its HTTP status, whose
+fault it is, and the Tinker server's status where that must differ. The
+servers derive their mapping from it and nothing else.
+
+This module imports nothing but the standard library so that sandboxes and
+the wire protocol can share it.
 """
 
 from __future__ import annotations
+
+from typing import Literal, NamedTuple
 
 
 class RLEngineError(Exception):
@@ -158,3 +166,146 @@ class TrainerLost(RLEngineError, RuntimeError):
     call timed out: the FSDP group cannot continue, so that call and every later training
     call fail with this (typed, at once: nothing waits for a lost rank). Sampling goes on;
     training resumes from a checkpoint in a new engine."""
+
+
+# -- the one status table ----------------------------------------------------------------------------------------
+
+_TINKER_RETRIES = ("the Tinker SDK (0.38) resends a 408, 409, 429 or 5xx for minutes (up to 5: "
+                   "lib/internal_client_holder.py execute_with_retries; a sampling client's RetryHandler until "
+                   "120 minutes pass without progress: lib/retry_handler.py)")
+
+
+class Wire(NamedTuple):
+    """How one exception class is reported on every wire."""
+
+    code: str
+    """The wire code: IPC ``Error.code``, HTTP ``error.code``, the Tinker body's ``code``."""
+    status: int
+    """The HTTP status on the serving layer (Chat Completions, Responses, Messages). One code has one status
+    there: the HTTP server maps a code to its status."""
+    fault: Literal["user", "server"]
+    """Whose fault: the Tinker ``category`` of a future that failed with it."""
+    why: str
+    """Why this code and status (and, where ``tinker`` is set, why Tinker differs)."""
+    tinker: int | None = None
+    """The Tinker server's status where it must differ from ``status``; None: the same."""
+
+    @property
+    def tinker_status(self) -> int:
+        return self.status if self.tinker is None else self.tinker
+
+
+UNKNOWN = Wire("internal", 500, "server", "an exception no row covers is a bug: reported as internal and logged "
+               "with its traceback")
+"""What the servers report for an exception whose class has no row, nor any of its bases."""
+
+WIRE: dict[str, Wire] = {
+    # rlengine.errors (the root has no row: an RLEngineError no narrower row covers is reported as UNKNOWN)
+    "rlengine.errors.ConfigurationError": Wire("invalid", 400, "user", "a configured value is unusable: the caller "
+                                               "fixes it (a Tinker create_model's LoRA or optimizer settings)"),
+    "rlengine.errors.RequestError": Wire("internal", 500, "server", "one request failed for a reason no narrower row "
+                                         "names; the engine serves on. Tinker: a retry meets the same state, and "
+                                         f"{_TINKER_RETRIES}", tinker=400),
+    "rlengine.errors.FieldError": Wire("invalid", 400, "user", "one field's value is wrong; field and value go with it"),
+    "rlengine.errors.InvalidRequest": Wire("invalid", 400, "user", "an invalid value, rejected before queueing"),
+    "rlengine.errors.ContextLengthExceeded": Wire("context_length_exceeded", 400, "user", "OpenAI's code, so clients "
+                                                  "that shorten their history on it recognise it"),
+    "rlengine.errors.ModelNotLoaded": Wire("unavailable", 503, "user", "a request caught between two weight versions: "
+                                           "the next one addresses the loaded version. Tinker: a sampling session "
+                                           "names fixed weights, and no retry loads them again", tinker=400),
+    "rlengine.errors.RequestAborted": Wire("aborted", 503, "user", "work cancelled before it ran, by its caller or a "
+                                           "closing engine (as a turn cut by shutdown, which another server may take). "
+                                           f"Tinker: a cancelled call stays cancelled, and {_TINKER_RETRIES}",
+                                           tinker=400),
+    "rlengine.errors.RequestTimeout": Wire("unavailable", 503, "server", "a bounded wait ran out; the work behind it "
+                                           "finishes or fails, so a later try can succeed (retries are right)"),
+    "rlengine.errors.BackendRequestError": Wire("internal", 500, "server", "the backend failed one request "
+                                                "mid-generation; a fresh request runs on a backend that still serves"),
+    "rlengine.errors.ReplicaLost": Wire("unavailable", 503, "server", "the replica died; the others (and its "
+                                        "replacement) serve a retry"),
+    "rlengine.errors.WeightSyncError": Wire("unavailable", 503, "server", "an install that missed a replica; every "
+                                            "replica is back on the previous version, so the install can be retried"),
+    "rlengine.errors.GateError": Wire("unavailable", 503, "server", "the gate refused in its current state (sealed "
+                                      "for an install, draining); it reopens by itself"),
+    "rlengine.errors.GatePoisoned": Wire("unavailable", 503, "server", "installs are refused until an operator "
+                                         "settles or writes off the unknown-outcome leases. Tinker: it never passes "
+                                         f"by itself, and {_TINKER_RETRIES}", tinker=400),
+    "rlengine.errors.DrainTimeout": Wire("unavailable", 503, "server", "in-flight leases outlived the drain deadline; "
+                                         "they finish, and a later install drains"),
+    "rlengine.errors.EngineDeadError": Wire("unavailable", 503, "server", "the engine is gone (crash or close): the "
+                                            "server is not serving. Tinker: a dead engine never comes back in this "
+                                            f"process, and {_TINKER_RETRIES}; it raises at once", tinker=400),
+    "rlengine.errors.EngineClosed": Wire("unavailable", 503, "server", "closed on purpose: as EngineDeadError, "
+                                         "Tinker included", tinker=400),
+    "rlengine.errors.TrainerLost": Wire("unavailable", 503, "server", "a lost trainer rank: training resumes only in a "
+                                        "new engine. Tinker: no retry recovers it", tinker=400),
+    # rlengine.protocol: the serving layer's own classes (the IPC client re-raises them by code)
+    "rlengine.protocol.ServeError": Wire("internal", 500, "server", "a server failure no narrower class names (and "
+                                         "what a client makes of a code it does not know)"),
+    "rlengine.protocol.BadFrame": Wire("bad_frame", 400, "user", "an unreadable frame"),
+    "rlengine.protocol.FrameTooLarge": Wire("frame_too_large", 413, "user", "a frame or body over the server's limit"),
+    "rlengine.protocol.BadMessage": Wire("bad_message", 400, "user", "a frame or body that is not a valid message"),
+    "rlengine.protocol.InvalidValue": Wire("invalid", 400, "user", "an invalid field value"),
+    "rlengine.protocol.Unsupported": Wire("unsupported", 400, "user", "the server lacks what the request needs"),
+    "rlengine.protocol.SessionNotFound": Wire("not_found", 404, "user", "no such session"),
+    "rlengine.protocol.SessionGone": Wire("gone", 410, "user", "closed or retired: it takes no more requests"),
+    "rlengine.protocol.SessionForbidden": Wire("forbidden", 403, "user", "a missing or wrong token"),
+    "rlengine.protocol.SessionExists": Wire("exists", 409, "user", "the id is taken. Tinker: a taken id stays taken, "
+                                            f"and {_TINKER_RETRIES}", tinker=400),
+    "rlengine.protocol.TurnAborted": Wire("aborted", 503, "server", "the turn was cut (shutdown, a retired session) "
+                                          "and not recorded; another server may take it. Tinker: as RequestAborted",
+                                          tinker=400),
+    "rlengine.protocol.ContextTooLong": Wire("context_length_exceeded", 400, "user", "as ContextLengthExceeded"),
+    "rlengine.protocol.SessionLimit": Wire("too_many_sessions", 429, "user", "the server holds as many sessions as it "
+                                           "keeps; closed or expired ones free room, so a backed-off retry can pass"),
+    "rlengine.protocol.Unavailable": Wire("unavailable", 503, "server", "the engine or the trace store is not serving"),
+    "rlengine.protocol.ConnectionLost": Wire("unavailable", 503, "server", "client side (the connection closed before "
+                                             "a reply); a server that met it reports its peer unavailable"),
+    # rlengine.trace.errors
+    "rlengine.trace.errors.TraceMemoryExceeded": Wire("unavailable", 503, "server", "the trace store is full; "
+                                                      "retention drops finished sessions, so a later try can pass"),
+    "rlengine.trace.errors.UnknownSession": Wire("aborted", 503, "server", "the session's trace was dropped while its "
+                                                 "turn ran: the turn is not recorded. Tinker: as RequestAborted",
+                                                 tinker=400),
+    # rlengine.tinker_api.errors
+    "rlengine.tinker_api.errors.TinkerApiError": Wire("invalid", 400, "user", "a request the Tinker server refuses"),
+    "rlengine.tinker_api.errors.NotSupported": Wire("not_supported", 400, "user", "a Tinker feature rlengine does not "
+                                                    "serve (never a silent success)"),
+    "rlengine.tinker_api.errors.UnknownEndpoint": Wire("not_supported", 400, "user", "a path not served. Tinker: 404, "
+                                                       "which the SDK raises at once; the code stays not_supported "
+                                                       "(on the serving layer one code has one status)", tinker=404),
+    "rlengine.tinker_api.errors.UnknownResource": Wire("not_found", 404, "user", "no resource has that id"),
+    "rlengine.tinker_api.errors.Gone": Wire("gone", 410, "user", "over (a finished session, an expired future); on "
+                                            "retrieve_future the SDK re-submits the original call on a 410, which is "
+                                            "what an expired future needs (lib/api_future_impl.py)"),
+    "rlengine.tinker_api.errors.Forbidden": Wire("forbidden", 403, "user", "another API key's resource"),
+    "rlengine.tinker_api.errors.Unauthorized": Wire("unauthorized", 401, "user", "a missing or wrong API key"),
+    "rlengine.tinker_api.errors.PayloadTooLarge": Wire("too_large", 413, "user", "a body over max_body_bytes"),
+    "rlengine.tinker_api.errors.LimitExceeded": Wire("limit_exceeded", 400, "user", "a configured limit that stays "
+                                                     "reached until the client frees something: no retry"),
+    "rlengine.tinker_api.errors.Overloaded": Wire("overloaded", 429, "server", "a bounded table full of requests in "
+                                                  "flight: it drains, and the SDK backs off and retries (the one "
+                                                  "Tinker refusal meant to be retried)"),
+}
+"""Every error class the engine, the trace store, the serving layer and the Tinker server raise, by
+``module.QualName``: how each wire reports it. Keyed by name so that this leaf module need not import the
+higher layers whose classes it lists; ``tests/test_error_wires.py`` checks that every name is a class and
+every class has a name here, and walks each through every wire."""
+
+
+def wire_of(cls: type[BaseException]) -> Wire:
+    """The row of ``cls``: its own or its nearest base's (the most specific wins); ``UNKNOWN`` if none has one."""
+    for base in cls.__mro__:
+        row = WIRE.get(f"{base.__module__}.{base.__qualname__}")
+        if row is not None:
+            return row
+    return UNKNOWN
+
+
+def own_wire(cls: type[BaseException]) -> Wire:
+    """The row naming ``cls`` itself; a class that must have one (a wire class: its code comes from here)
+    and has none fails its import, loudly."""
+    row = WIRE.get(f"{cls.__module__}.{cls.__qualname__}")
+    if row is None:
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__}: no row in rlengine.errors.WIRE; add one")
+    return row

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import ClassVar
 
 import msgspec
 
-from rlengine.errors import RequestError, RLEngineError
+from rlengine.errors import RequestError, RLEngineError, own_wire
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -89,91 +88,74 @@ DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 class ServeError(RequestError):
     """A request to the server failed; the server keeps serving.
 
-    ``code`` is the wire code (``Error.code``) of the class. ``field`` and ``value`` name what was
-    wrong when one field's value was (``rlengine.errors.FieldError``; ``value`` as its repr, at most
-    80 characters), on every wire; None otherwise."""
+    ``code`` is the wire code (``Error.code``) of the class, from its row in ``rlengine.errors.WIRE``
+    (a class without one fails its import); an instance made for a code no class has carries that code
+    itself. ``field`` and ``value`` name what was wrong when one field's value was
+    (``rlengine.errors.FieldError``; ``value`` as its repr, at most 80 characters), on every wire; None
+    otherwise."""
 
-    code: ClassVar[str] = "internal"
+    code: str
     field: str | None = None
     value: str | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.code = own_wire(cls).code
+
+
+ServeError.code = own_wire(ServeError).code
 
 
 class BadFrame(ServeError, ValueError):
     """A frame could not be read (a length of zero, or a broken stream)."""
 
-    code = "bad_frame"
-
 
 class FrameTooLarge(ServeError, ValueError):
     """A frame's length exceeds the peer's limit; the connection is closed."""
-
-    code = "frame_too_large"
 
 
 class BadMessage(ServeError, ValueError):
     """A frame is not a valid message (malformed msgpack, unknown tag, wrong field types)."""
 
-    code = "bad_message"
-
 
 class InvalidValue(ServeError, ValueError):
     """A field holds an invalid value (the message names the field and value)."""
-
-    code = "invalid"
 
 
 class Unsupported(ServeError, ValueError):
     """The request needs something this server does not have (e.g. chat without a tokenizer)."""
 
-    code = "unsupported"
-
 
 class SessionNotFound(ServeError, LookupError):
     """No such session (never opened, or its tombstone expired)."""
-
-    code = "not_found"
 
 
 class SessionGone(ServeError, LookupError):
     """The session was closed or retired; it takes no more requests (HTTP 410)."""
 
-    code = "gone"
-
 
 class SessionForbidden(ServeError, PermissionError):
     """A missing or wrong session token (or server bearer token)."""
-
-    code = "forbidden"
 
 
 class SessionExists(ServeError, ValueError):
     """A session with the requested id already exists."""
 
-    code = "exists"
-
 
 class TurnAborted(ServeError):
     """The turn was aborted (server shutdown, session retired) and not recorded."""
-
-    code = "aborted"
 
 
 class ContextTooLong(InvalidValue):
     """The prompt does not fit in the model's context (OpenAI's ``context_length_exceeded``)."""
 
-    code = "context_length_exceeded"
-
 
 class SessionLimit(ServeError):
     """The server holds as many open sessions as it keeps; close some first."""
 
-    code = "too_many_sessions"
-
 
 class Unavailable(ServeError, ConnectionError):
     """The engine is closed, closing or dead, or the trace store is full."""
-
-    code = "unavailable"
 
 
 class ConnectionLost(RLEngineError, ConnectionError):
@@ -186,9 +168,11 @@ ERROR_CODES: dict[str, type[ServeError]] = {cls.code: cls for cls in (
 
 
 def error_from_wire(code: str, message: str, field: str | None = None, value: str | None = None) -> ServeError:
-    """The exception for a received ``Error``; an unknown code gives a plain ``ServeError``."""
+    """The exception for a received ``Error``; a code no class has gives a plain ``ServeError`` carrying it."""
     cls = ERROR_CODES.get(code, ServeError)
     exc = cls(message if cls is not ServeError or code == "internal" else f"[{code}] {message}")
+    if cls is ServeError:
+        exc.code = code
     exc.field, exc.value = field, value
     return exc
 

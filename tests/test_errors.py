@@ -49,7 +49,8 @@ def _exception_classes() -> list[type[BaseException]]:
     return [seen[k] for k in sorted(seen)]
 
 
-def _instance(cls: type[BaseException]) -> BaseException:
+def instance_of(cls: type[BaseException]) -> BaseException:
+    """An instance of ``cls`` built from sample values (``tests/test_error_wires.py`` uses it too)."""
     params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"
               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
     if not params or params[0].kind is inspect.Parameter.VAR_POSITIONAL:
@@ -71,7 +72,7 @@ def test_the_walk_finds_the_exceptions_of_every_layer():
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: f"{c.__module__}.{c.__qualname__}")
 def test_every_exception_round_trips_pickle_with_its_message_and_fields(cls):
-    error = _instance(cls)
+    error = instance_of(cls)
     error.add_note("raised in a test")
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is cls

@@ -54,6 +54,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.protocol import (
     HEADER,
     Ack,
+    BadFrame,
     BadMessage,
     Chat,
     CloseSession,
@@ -71,6 +72,7 @@ from rlengine.protocol import (
     SessionOpened,
     TraceReply,
     TurnReply,
+    Unavailable,
     WireTrajectory,
     error_frame,
 )
@@ -140,7 +142,7 @@ class _Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=self.server.write_high_water)
         server = self.server
         if len(server.connections) >= server.max_connections:
-            self.send(Error(id=0, code="unavailable", message=f"the server holds {len(server.connections)} "
+            self.send(Error(id=0, code=Unavailable.code, message=f"the server holds {len(server.connections)} "
                             "connections, its limit (max_connections); try again later"))
             self.closed = True
             transport.close()
@@ -156,7 +158,7 @@ class _Connection(asyncio.Protocol):
             bodies = reader.feed(data)
         except ServeError as exc:
             # The stream cannot be resynchronised after a bad header: say why, then close.
-            self.send(Error(id=0, code=exc.code, message=str(exc)))
+            self.send(error_frame(0, exc))
             self.close()
             return
         after = reader.buffered
@@ -166,7 +168,7 @@ class _Connection(asyncio.Protocol):
             self.partial_since = None if not after else self.partial_since or now
             if server.buffered > server.max_buffered_bytes:
                 # Partial frames of all connections together hold at most this much memory.
-                self.send(Error(id=0, code="unavailable", message=f"incomplete frames hold {server.buffered} bytes, "
+                self.send(Error(id=0, code=Unavailable.code, message=f"incomplete frames hold {server.buffered} bytes, "
                                 "more than the server keeps (max_buffered_bytes); this connection is closed"))
                 self.close()
                 return
@@ -468,7 +470,7 @@ class IpcServer:
         now = time.monotonic()
         for conn in list(self.connections):
             if conn.partial_since is not None and now - conn.partial_since > self.frame_timeout_s:
-                conn.send(Error(id=0, code="bad_frame", message=f"a frame stayed incomplete for more than "
+                conn.send(Error(id=0, code=BadFrame.code, message=f"a frame stayed incomplete for more than "
                                 f"{self.frame_timeout_s} s (frame_timeout_s); the connection is closed"))
                 conn.close()
             elif not conn.turns and not conn.reader.buffered and now - conn.read_at > self.idle_timeout_s:

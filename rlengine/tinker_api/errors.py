@@ -1,12 +1,18 @@
 """Errors of the Tinker API server, and how every failure is reported on its wire.
 
 Each class names the field and the value at fault (like ``InvalidRequest``)
-and carries the HTTP status and the wire ``code`` it is reported with. Each
-also inherits the stdlib type a caller would catch. The statuses are chosen
-for the Tinker SDK's retry rules: it retries 408, 409, 429 and 5xx (for
-minutes), so only a condition that really passes (a full futures table, an
-engine that is not serving) gets one of those; everything a retry cannot fix
-is a 4xx the SDK raises at once.
+and inherits the stdlib type a caller would catch. Its wire ``code`` and HTTP
+``status`` (class attributes) come from the one table,
+``rlengine.errors.WIRE``, as does the reporting of every other exception: the
+serving layer's code and status, except the rows whose ``tinker`` column
+says Tinker must differ, and why. Those exist for the Tinker SDK's retry
+rules: it resends a 408, 409, 429 or 5xx for minutes (up to 5 in
+``tinker/lib/internal_client_holder.py``, ``execute_with_retries``; a
+sampling client's ``lib/retry_handler.py`` until 120 minutes pass without
+progress), so only a condition
+that passes by itself (a full futures table, a gate that reopens) keeps one
+of those; what a retry cannot fix (an aborted call, a dead engine, a
+poisoned gate) is a 4xx the SDK raises at once.
 
 Two shapes reach the client:
 
@@ -14,9 +20,9 @@ Two shapes reach the client:
   JSON body ``{"error": {"code", "type", "message", "field", "value"}}``;
 * a request that was accepted and failed later settles its future with an
   error; retrieving it answers 200 with Tinker's ``RequestFailedResponse``
-  (``{"error": message, "category": "user" | "server"}``).
+  (``{"error": message, "category": "user" | "server"}``, the row's ``fault``).
 
-It must not hide programming errors: an exception it does not know is
+It must not hide programming errors: an exception no row covers is
 ``internal`` (500), logged with its traceback.
 """
 
@@ -25,122 +31,83 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlengine.errors import (
-    ConfigurationError,
-    EngineDeadError,
-    FieldError,
-    InvalidRequest,
-    ModelNotLoaded,
-    RequestAborted,
-    RequestError,
-)
+from rlengine.errors import UNKNOWN, FieldError, own_wire, wire_of
 
 __all__ = ["Forbidden", "Gone", "LimitExceeded", "NotSupported", "Overloaded", "PayloadTooLarge", "TinkerApiError",
-           "Unauthorized", "UnknownEndpoint", "UnknownResource", "error_body", "failure_category", "http_status"]
+           "Unauthorized", "UnknownEndpoint", "UnknownResource", "error_response", "failure_category"]
 
 log = logging.getLogger("rlengine.tinker_api")
 
 
 class TinkerApiError(FieldError):
-    """A request the Tinker API server refuses; ``field`` and ``value`` say what was wrong."""
+    """A request the Tinker API server refuses; ``field`` and ``value`` say what was wrong.
 
-    status = 400
-    code = "invalid"
+    ``status`` and ``code``: how the Tinker server reports the class, from its row in the table (a class
+    without one fails its import)."""
+
+    status: int
+    code: str
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        row = own_wire(cls)
+        cls.status, cls.code = row.tinker_status, row.code
+
+
+_ROW = own_wire(TinkerApiError)
+TinkerApiError.status, TinkerApiError.code = _ROW.tinker_status, _ROW.code
 
 
 class NotSupported(TinkerApiError, NotImplementedError):
     """A Tinker feature or endpoint that rlengine does not serve (never a silent success)."""
 
-    status = 400
-    code = "not_supported"
-
 
 class UnknownEndpoint(NotSupported):
     """A path this server does not serve (a Tinker endpoint rlengine lacks, or none at all)."""
-
-    status = 404
 
 
 class UnknownResource(TinkerApiError, LookupError):
     """No session, model, sampling session, checkpoint or future has that id (or path)."""
 
-    status = 404
-    code = "not_found"
-
 
 class Gone(TinkerApiError, LookupError):
     """The resource existed but is over: a finished or expired session, an expired future."""
-
-    status = 410
-    code = "gone"
 
 
 class Forbidden(TinkerApiError, PermissionError):
     """The resource belongs to a session of another API key."""
 
-    status = 403
-    code = "forbidden"
-
 
 class Unauthorized(TinkerApiError, PermissionError):
     """A shared secret is configured and the request does not carry it."""
-
-    status = 401
-    code = "unauthorized"
 
 
 class PayloadTooLarge(TinkerApiError, ValueError):
     """The body exceeds the server's ``max_body_bytes``."""
 
-    status = 413
-    code = "too_large"
-
 
 class LimitExceeded(TinkerApiError, RuntimeError):
     """A configured limit (``max_models``) is reached; it stays reached until the client frees something."""
-
-    status = 400
-    code = "limit_exceeded"
 
 
 class Overloaded(TinkerApiError, RuntimeError):
     """A bounded table is full of requests still in flight; retrying later helps (the SDK does)."""
 
-    status = 429
-    code = "overloaded"
 
-
-def http_status(exc: BaseException) -> tuple[int, str]:
-    """``(status, code)`` for a failure of a plain call."""
-    if isinstance(exc, TinkerApiError):
-        return exc.status, exc.code
-    if isinstance(exc, (InvalidRequest, ConfigurationError)):
-        return 400, "invalid"
-    if isinstance(exc, EngineDeadError):
-        return 503, "unavailable"
-    if isinstance(exc, RequestError):
-        # Recoverable for the engine, but a retry of the same request would meet
-        # the same state: report it rather than let the SDK retry for minutes.
-        return 400, "request_failed"
-    log.error("rlengine.tinker_api: unexpected error", exc_info=exc)
-    return 500, "internal"
-
-
-def error_body(exc: BaseException) -> dict[str, Any]:
-    _, code = http_status(exc)
-    body: dict[str, Any] = {"code": code, "type": type(exc).__name__, "message": str(exc)}
-    field = getattr(exc, "field", None)
+def error_response(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The status and the JSON body reporting a failed plain call, by the row of ``exc``."""
+    row = wire_of(type(exc))
+    if row is UNKNOWN:
+        log.error("rlengine.tinker_api: unexpected error", exc_info=exc)
+    body: dict[str, Any] = {"code": row.code, "type": type(exc).__name__, "message": str(exc)}
+    field = getattr(exc, "field", None)  # a FieldError's, or a ServeError's that carries one
     if field is not None:
         body["field"] = field
         value = getattr(exc, "value", None)
         body["value"] = value if isinstance(value, (str, int, float, bool)) or value is None else repr(value)
-    return {"error": body}
+    return row.tinker_status, {"error": body}
 
 
 def failure_category(exc: BaseException) -> str:
-    """Tinker's ``RequestErrorCategory`` of a request that failed after it was accepted."""
-    if isinstance(exc, Overloaded):
-        return "server"
-    if isinstance(exc, (InvalidRequest, ConfigurationError, TinkerApiError, RequestAborted, ModelNotLoaded)):
-        return "user"
-    return "server"
+    """Tinker's ``RequestErrorCategory`` of a request that failed after it was accepted: the row's ``fault``."""
+    return wire_of(type(exc)).fault

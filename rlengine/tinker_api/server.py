@@ -34,7 +34,8 @@ and written to the 0600 file ``TinkerServer.key_file``, removed on close).
 With ``no_auth`` (loopback only, see ``TinkerServerConfig``) any key is
 accepted and identifies the caller: sessions and all they own belong to the
 key that created them. Errors have the JSON shape of
-``errors.error_body``; an oversized body is a 413 naming the limit.
+``errors.error_response``, their statuses from ``rlengine.errors.WIRE``; an
+oversized body is a 413 naming the limit.
 
 This module translates HTTP to ``TinkerService`` calls; it never creates a
 loop and never blocks the one it runs on (large protobuf bodies decode in a
@@ -63,8 +64,7 @@ from rlengine.tinker_api.errors import (
     PayloadTooLarge,
     Unauthorized,
     UnknownEndpoint,
-    error_body,
-    http_status,
+    error_response,
 )
 from rlengine.tinker_api.proto import FwdBwdRequest, call_header, decode_forward_backward_request
 from rlengine.tinker_api.service import TinkerService
@@ -92,7 +92,11 @@ def _owner(key: str) -> str:
 
 
 class TinkerServer:
-    """The HTTP server and its ``TinkerService`` on one engine's loop."""
+    """The HTTP server and its ``TinkerService`` on one engine's loop.
+
+    Why one class: most of it is the route table (``_routes``), a few lines per Tinker endpoint;
+    the work behind each route is ``TinkerService``'s.
+    """
 
     def __init__(self, engine: Engine, config: TinkerServerConfig | None = None) -> None:
         self.engine = engine
@@ -188,8 +192,8 @@ class TinkerServer:
             raise
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed error body
             exc = err
-        status, _ = http_status(exc)
-        response = _json_response(error_body(exc), status)
+        status, body = error_response(exc)
+        response = _json_response(body, status)
         if request.path == f"{_PREFIX}/client/config":
             response.force_close()  # as _client_config does: the SDK never closes that connection (a wrong key)
         return response

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rlengine.errors import InvalidRequest, RLEngineError
+from rlengine.errors import InvalidRequest, ModelNotLoaded
 from rlengine.tinker_api.errors import Gone, Overloaded
 
 if TYPE_CHECKING:
@@ -78,8 +78,8 @@ class TrainingModel:
         if self.closed:
             raise Gone("model_id", self.model_id, "the model was unloaded")
         if self.trainer is None:
-            raise RLEngineError(f"model {self.model_id} has no trainer: its creation failed "
-                                f"({self.failure!r})")
+            raise ModelNotLoaded(f"model {self.model_id} has no trainer: its creation failed "
+                                 f"({self.failure!r})")
         return self.trainer
 
     # -- call order ---------------------------------------------------------------------
