@@ -1,10 +1,12 @@
 """Engine configuration: ``EngineConfig``, the sim backend's ``SimConfig`` and ``Placement``.
 
-A leaf of the package (it imports only ``errors``), so the backends and the
-trainers read their settings without importing the control plane.
+A leaf of the package (it imports only ``errors`` and ``validation``), so the backends and
+the trainers read their settings without importing the control plane.
 
-Plain msgspec Structs, validated on construction; a bad value raises
-``ConfigurationError`` naming the field. The environment variables that change
+Plain msgspec Structs whose field types declare what they accept (``PositiveInt``,
+``Literal[...]``: ``rlengine.validation``), checked on construction and on decoding; the
+rules between fields are code in ``__post_init__``. A bad value raises
+``ConfigurationError`` naming the field and the value. The environment variables that change
 the engine's own behaviour are read here; those of one backend or extension
 are read where they apply (``RLENGINE_TORCH_THREADS`` in ``backends.torch.runtime``,
 ``RLENGINE_CACHE`` in ``models``, ``RLENGINE_NO_EXTENSIONS`` in ``trie``,
@@ -14,7 +16,6 @@ are read where they apply (``RLENGINE_TORCH_THREADS`` in ``backends.torch.runtim
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ import msgspec
 import numpy as np
 
 from rlengine.errors import ConfigurationError
+from rlengine.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, validate
 
 __all__ = ["TINY_DEFAULTS", "EngineConfig", "Placement", "SimConfig", "continuous_sampling_from_env", "is_loopback"]
 
@@ -65,14 +67,6 @@ def continuous_sampling_from_env() -> bool:
     raise ConfigurationError(f"RLENGINE_CONTINUOUS_SAMPLING={raw!r}: must be 0 or 1")
 
 
-def _positive(name: str, value: object, *, integer: bool = False, zero_ok: bool = False) -> None:
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or math.isnan(value) or math.isinf(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        kind = "an integer" if integer else "a finite number"
-        raise ConfigurationError(f"{name}={value!r}: must be {kind} {'>= 0' if zero_ok else '> 0'}")
-
-
 class SimConfig(msgspec.Struct, kw_only=True, frozen=True):
     """The deterministic simulated backend (control-plane tests and benchmarks).
 
@@ -83,31 +77,22 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True):
     GIL released), zero by default.
     """
 
-    vocab_size: int = 256
-    max_model_len: int = 4096
-    gen_len: int = 16
+    vocab_size: PositiveInt = 256
+    max_model_len: PositiveInt = 4096
+    gen_len: PositiveInt = 16
     gen_len_dist: Literal["fixed", "lognormal"] = "fixed"
-    gen_len_sigma: float = 1.0
-    step_time_s: float = 0.0
-    token_time_s: float = 0.0
-    max_num_seqs: int = 1024
+    gen_len_sigma: NonNegativeFloat = 1.0
+    step_time_s: NonNegativeFloat = 0.0
+    token_time_s: NonNegativeFloat = 0.0
+    max_num_seqs: PositiveInt = 1024
     seed: int = 0
     sleep_supported: bool = True
-    fail_at_step: int = 0
+    fail_at_step: NonNegativeInt = 0
     """Fault injection: the backend's ``step`` raises on its ``fail_at_step``-th call (0: never),
     as a crashed inference engine would."""
 
     def __post_init__(self) -> None:
-        _positive("sim.fail_at_step", self.fail_at_step, integer=True, zero_ok=True)
-        _positive("sim.vocab_size", self.vocab_size, integer=True)
-        _positive("sim.max_model_len", self.max_model_len, integer=True)
-        _positive("sim.gen_len", self.gen_len, integer=True)
-        _positive("sim.gen_len_sigma", self.gen_len_sigma, zero_ok=True)
-        _positive("sim.step_time_s", self.step_time_s, zero_ok=True)
-        _positive("sim.token_time_s", self.token_time_s, zero_ok=True)
-        _positive("sim.max_num_seqs", self.max_num_seqs, integer=True)
-        if self.gen_len_dist not in ("fixed", "lognormal"):
-            raise ConfigurationError(f"sim.gen_len_dist={self.gen_len_dist!r}: must be 'fixed' or 'lognormal'")
+        validate(self, ConfigurationError, "sim.")
 
     def initial_weights(self) -> np.ndarray:
         """The sim model's one weight tensor ``theta`` (unigram logits), shared by
@@ -138,42 +123,28 @@ class Placement(msgspec.Struct, kw_only=True, frozen=True):
     (``TrainerLost`` otherwise). 1: the trainer runs in this process."""
 
     kind: Literal["local", "ray"] = "local"
-    sampler_replicas: int = 1
-    replica_resources: dict[str, float] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
+    sampler_replicas: PositiveInt = 1
+    replica_resources: dict[str, NonNegativeFloat] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
     address: str | None = None
     replace_dead: bool = True
-    max_replacements: int = 8
-    sync_bucket_bytes: int = 64 << 20
-    sync_timeout_s: float = 300.0
-    start_timeout_s: float = 600.0
-    trainer_workers: int = 1
-    trainer_resources: dict[str, float] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
-    train_timeout_s: float = 1800.0
+    max_replacements: NonNegativeInt = 8
+    sync_bucket_bytes: PositiveInt = 64 << 20
+    sync_timeout_s: PositiveFloat = 300.0
+    start_timeout_s: PositiveFloat = 600.0
+    trainer_workers: PositiveInt = 1
+    trainer_resources: dict[str, NonNegativeFloat] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
+    train_timeout_s: PositiveFloat = 1800.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("local", "ray"):
-            raise ConfigurationError(f"placement.kind={self.kind!r}: must be 'local' or 'ray'")
-        _positive("placement.trainer_workers", self.trainer_workers, integer=True)
+        validate(self, ConfigurationError, "placement.")
         if self.kind == "local" and self.trainer_workers != 1:
             raise ConfigurationError(f"placement.trainer_workers={self.trainer_workers}: trainer workers are Ray "
                                      "actors (placement.kind='ray'); a local engine trains in process")
-        _positive("placement.train_timeout_s", self.train_timeout_s)
-        _positive("placement.sampler_replicas", self.sampler_replicas, integer=True)
         if self.kind == "local" and self.sampler_replicas != 1:
             raise ConfigurationError(f"placement.sampler_replicas={self.sampler_replicas}: replicas are Ray actors "
                                      "(placement.kind='ray'); a local engine has one backend")
-        for name in ("replica_resources", "trainer_resources"):
-            value = getattr(self, name)
-            if not isinstance(value, dict) or not all(
-                    isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
-                    for k, v in value.items()):
-                raise ConfigurationError(f"placement.{name}={value!r}: must map resource names to amounts >= 0")
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ConfigurationError(f"placement.address={self.address!r}: must be a Ray address or None")
-        _positive("placement.max_replacements", self.max_replacements, integer=True, zero_ok=True)
-        _positive("placement.sync_bucket_bytes", self.sync_bucket_bytes, integer=True)
-        _positive("placement.sync_timeout_s", self.sync_timeout_s)
-        _positive("placement.start_timeout_s", self.start_timeout_s)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -191,15 +162,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model_name: str | None = None
     backend: Literal["auto", "sim", "torch", "vllm", "scripted"] = "auto"
     drain_policy: Literal["wait", "pause"] = "wait"
-    drain_timeout_s: float = 600.0
+    drain_timeout_s: PositiveFloat = 600.0
     continuous_sampling: bool | None = None
     seed: int = 0
-    close_timeout_s: float = 30.0
-    max_num_seqs: int = 256
+    close_timeout_s: PositiveFloat = 30.0
+    max_num_seqs: PositiveInt = 256
     """Most sequences a model backend runs in one batch."""
-    max_model_len: int | None = None
+    max_model_len: PositiveInt | None = None
     """Context length; None takes the model's own."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     cache_dir: str | None = None
     """Where ``model="tiny"`` is built once; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
     model_args: dict[str, object] = msgspec.field(default_factory=dict)
@@ -225,25 +196,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     the two compute threads each get half the intra-op threads (``backends.torch.threads``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.placement, Placement):
-            raise ConfigurationError(f"placement={self.placement!r}: must be a Placement")
-        if self.backend not in ("auto", "sim", "torch", "vllm", "scripted"):
-            raise ConfigurationError(f"backend={self.backend!r}: must be auto, sim, torch, vllm or scripted")
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise ConfigurationError(f"logprobs_mode={self.logprobs_mode!r}: must be 'raw' or 'processed'")
-        if self.drain_policy not in ("wait", "pause"):
-            raise ConfigurationError(f"drain_policy={self.drain_policy!r}: must be 'wait' or 'pause'")
-        if self.train_concurrently not in ("off", "on", "auto"):
-            raise ConfigurationError(f"train_concurrently={self.train_concurrently!r}: must be 'off', 'on' or 'auto'")
-        _positive("drain_timeout_s", self.drain_timeout_s)
-        _positive("close_timeout_s", self.close_timeout_s)
-        _positive("max_num_seqs", self.max_num_seqs, integer=True)
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len, integer=True)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigurationError(f"dtype={self.dtype!r}: must be float32, bfloat16 or float16")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigurationError(f"seed={self.seed!r}: must be an integer")
+        validate(self, ConfigurationError)
+        # Below: a name's meaning and the rules between fields, which a field's type cannot say.
         if not isinstance(self.model, str) or not self.model:
             raise ConfigurationError(f"model={self.model!r}: must be 'tiny' or a local model directory")
         if self.model_args:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 import sys
 from array import array
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 from msgspec.structs import force_setattr
 
 from rlengine.errors import InvalidRequest
+from rlengine.validation import Bound, NonNegativeFloat, NonNegativeInt, PositiveInt, validate
 
 __all__ = [
     "LOGPROBS_MODES",
@@ -170,16 +171,16 @@ class SamplingParams(_Public):
     token ids. ``max_tokens`` None means up to the model's context length.
     """
 
-    max_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
     seed: int | None = None
     stop: str | list[str | int] | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
+    temperature: Annotated[float, Bound(ge=0, note="0 is greedy")] = 1.0
+    top_k: Annotated[int, Bound(ge=1, also=(-1,), note="-1: no limit")] = -1
+    top_p: Annotated[float, Bound(gt=0, le=1)] = 1.0
     ignore_eos: bool = False
     """Keep generating past the model's end-of-sequence token (benchmarks,
     tests); explicit ``stop`` ids and strings still apply. Not in Tinker."""
-    top_logprobs: int = 0
+    top_logprobs: Annotated[int, Bound(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     """Also record, for every sampled token, the ``top_logprobs`` most likely tokens
     and their logprobs (0 to 20, OpenAI's limit; not in Tinker), from the same
     distribution as the sampled token's logprob. Backends cap it
@@ -205,28 +206,8 @@ class SamplingParams(_Public):
     (``rlengine.trainer.losses``), so the importance ratio is 1 on-policy at any temperature."""
 
     def __post_init__(self) -> None:
-        mt = self.max_tokens
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt <= 0):
-            raise InvalidRequest("max_tokens", mt, "must be a positive integer or None")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0.0) or math.isinf(t):
-            raise InvalidRequest("temperature", t, "must be a finite number >= 0 (0 is greedy)")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise InvalidRequest("top_p", p, "must be in (0, 1]")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or (k != -1 and k < 1):
-            raise InvalidRequest("top_k", k, "must be -1 (no limit) or >= 1")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest("ignore_eos", self.ignore_eos, "must be a bool")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
-            raise InvalidRequest("seed", s, "must be an integer or None")
-        k = self.top_logprobs
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest("top_logprobs", k, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
-            raise InvalidRequest("logprobs_mode", self.logprobs_mode, "must be 'raw', 'processed' or None")
+        validate(self, InvalidRequest)
+        # Below: what one field's type cannot say (a format, a rule between fields, the stop list).
         c = self.constraint
         if c is not None:
             if not isinstance(c, str) or not c.startswith("{"):
@@ -402,13 +383,10 @@ class TensorData(_Public):
 
     data_raw: bytes
     dtype: Literal["int64", "float32"]
-    shape: list[int]
+    shape: list[NonNegativeInt]
 
     def __post_init__(self) -> None:
-        if self.dtype not in _TENSOR_DTYPES:
-            raise InvalidRequest("TensorData.dtype", self.dtype, "must be 'int64' or 'float32'")
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.shape):
-            raise InvalidRequest("TensorData.shape", self.shape, "dimensions must be integers >= 0")
+        validate(self, InvalidRequest, "TensorData.")
         n = math.prod(self.shape)
         itemsize = 8 if self.dtype == "int64" else 4
         if _check_raw("TensorData.data_raw", self.data_raw, itemsize) != n:
@@ -492,22 +470,15 @@ class ForwardBackwardOutput(_Public):
 class AdamParams(_Public):
     """AdamW hyperparameters with Tinker's defaults; ``grad_clip_norm`` 0 disables clipping."""
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: NonNegativeFloat = 1e-4
+    beta1: Annotated[float, Bound(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Bound(ge=0, lt=1)] = 0.95
+    eps: NonNegativeFloat = 1e-12
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip_norm: NonNegativeFloat = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0.0) or math.isinf(v):
-                raise InvalidRequest(name, v, "must be a finite number >= 0")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
-                raise InvalidRequest(name, v, "must be in [0, 1)")
+        validate(self, InvalidRequest)
 
 
 class OptimStepResponse(_Public):

@@ -11,12 +11,22 @@ Values only; this module must not start anything.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from rlengine.errors import ConfigurationError
+from rlengine.validation import (
+    Bound,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    check_integer,
+    check_number,
+    validate,
+)
 
 __all__ = ["RESUME_MUTABLE", "TrainConfig", "check_integer", "check_number", "convert", "parse_overrides"]
 
@@ -31,8 +41,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """Where the data plane runs: in this process, or Ray actors behind the one engine
     (``rlengine.Placement``): ``sampler_replicas`` backends and, with ``trainer_workers`` > 1,
     the torch trainer sharded under FSDP2 over that many workers."""
-    sampler_replicas: int = 1
-    trainer_workers: int = 1
+    sampler_replicas: PositiveInt = 1
+    trainer_workers: PositiveInt = 1
     reproducible: bool = True
     """A seed gives the same run whatever the timing: the torch backend samples batch-invariant
     (``engine_args["batch_invariant"]``), since a multi-turn or sandboxed run's batches form
@@ -41,12 +51,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     last bits of their logprobs, and drift apart from there."""
     cache_dir: str | None = None
     """Where models are built; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
-    steps: int | None = None
+    steps: PositiveInt | None = None
     """Training steps; None trains through the dataset once. More steps than the
     dataset has batches is an error (``DataExhausted``) when the data runs out."""
-    groups_per_batch: int = 32
-    group_size: int = 8
-    max_steps_off_policy: int = 0
+    groups_per_batch: PositiveInt = 32
+    group_size: PositiveInt = 8
+    max_steps_off_policy: NonNegativeInt = 0
     """0: synchronous (sample a batch with the current weights, train, repeat).
     k > 0: rollouts for up to k steps ahead run while training (the engine trains on a thread
     of its own where the sampler is not on CUDA: ``EngineConfig.train_concurrently``). With
@@ -54,23 +64,23 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     step installs its weights once the batches released before it are sampled; a checkpoint
     keeps them); without it a batch samples whatever is loaded, and a group whose oldest token
     is more than k policy versions old is re-sampled instead of trained."""
-    workers: int | None = None
+    workers: PositiveInt | None = None
     """Concurrent group rollouts; None: ``groups_per_batch * (max_steps_off_policy + 1)``."""
-    num_minibatches: int = 1
+    num_minibatches: PositiveInt = 1
     """> 1 streams: each minibatch of groups is sent to ``forward_backward`` as soon
     as it is complete, one optimizer step per batch."""
-    num_substeps: int = 1
+    num_substeps: PositiveInt = 1
     """Optimizer steps per batch: K > 1 splits the batch's datums into K parts,
     each a forward_backward and an optimizer step (PPO-style reuse of the samples)."""
-    temperature: float = 1.0
-    max_tokens: int = 16
-    max_turns: int = 16
+    temperature: NonNegativeFloat = 1.0
+    max_tokens: PositiveInt = 16
+    max_turns: PositiveInt = 16
     loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "ppo"
-    clip_low_threshold: float | None = None
+    clip_low_threshold: NonNegativeFloat | None = None
     """None: the loss's default (ppo 0.8, cispo 0.0)."""
-    clip_high_threshold: float | None = None
+    clip_high_threshold: NonNegativeFloat | None = None
     """None: the loss's default (ppo 1.2, cispo 4.0)."""
-    entropy_coef: float = 0.0
+    entropy_coef: NonNegativeFloat = 0.0
     loss_aggregation: Literal["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token",
                               "sequence"] = "sum"
     """How each ``forward_backward`` call aggregates the loss over its sampled tokens (each
@@ -83,7 +93,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     the datums it sends (``rlengine.rl.advantages.aggregation_weights``); the losses do not change.
     Old names, kept so stored runs resume as they were: ``token`` is ``sum``; ``sequence`` divides
     each trajectory's advantage by its sampled tokens (the entropy bonus and KL unweighted)."""
-    dynamic_sampling_attempts: int = 0
+    dynamic_sampling_attempts: NonNegativeInt = 0
     """DAPO's dynamic sampling: a group whose rewards are all equal is sampled again, with new
     seeds, up to this many times before it counts as it is (dropped with ``skip_constant_reward``);
     its samples are logged (``resampled_constant`` in groups.jsonl), not trained. 0: off."""
@@ -93,7 +103,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     trains no token, while its reward still counts in its group's baseline (mean and std).
     Counted per step (``attempts_overlong_filtered``); a group left with nothing to train is
     dropped (``groups_dropped_overlong``)."""
-    overlong_buffer_len: int = 0
+    overlong_buffer_len: NonNegativeInt = 0
     """DAPO's soft overlong punishment (verl's ``overlong_buffer.len``; DAPO's L_cache): the last
     this many tokens before ``max_tokens`` (L_max) are a buffer in which an answer of n tokens
     adds ``overlong_buffer_penalty_factor * ((L_max - L_cache) - n) / L_cache`` to its
@@ -101,13 +111,13 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     to ``-overlong_buffer_penalty_factor`` at L_max (and no lower). n is per action, since
     ``max_tokens`` caps each action, not the episode: a multi-turn trajectory takes the penalty
     of its longest action (a single-turn one, exactly DAPO's). 0: off."""
-    overlong_buffer_penalty_factor: float = 1.0
+    overlong_buffer_penalty_factor: NonNegativeFloat = 1.0
     """verl's ``overlong_buffer.penalty_factor``: the penalty of an answer of ``max_tokens`` tokens."""
-    kl_coef: float | None = None
+    kl_coef: NonNegativeFloat | None = None
     """A KL penalty to the reference policy (the initial weights), ``kl_coef * KL`` per sampled
     token (``rlengine.trainer.losses``); 0 measures it without penalising (``kl_ref_mean`` in
     metrics.jsonl); None: neither."""
-    kl_estimator: int = 3
+    kl_estimator: Annotated[int, Bound(ge=1, le=3, note="k1, k2, k3")] = 3
     """The KL estimator: 1, 2 or 3 (k1, k2, k3)."""
     logprobs_mode: Literal["auto", "raw", "processed"] = "auto"
     """Which logprob the sampler records (``SamplingParams.logprobs_mode``): ``processed`` (under
@@ -121,51 +131,51 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     first of those sees a ratio of exactly 1 (``kl_sample_train_*`` 0.0 where the trainer's
     forward is deterministic). The sampler-vs-trainer mismatch it replaced is still measured
     (``recomputed_kl_k1`` / ``recomputed_kl_k3``)."""
-    tis_cap: float | None = None
+    tis_cap: PositiveFloat | None = None
     """Truncated importance sampling (``rlengine.trainer.losses``): each token's loss times
     ``min(w, tis_cap)``, ``w`` the trainer-over-sampler ratio from a recompute ``forward``."""
-    mis_cap: float | None = None
+    mis_cap: PositiveFloat | None = None
     """Masked importance sampling: tokens with ``w > mis_cap`` are left out, the rest weighted by ``w``."""
-    icepop_low: float | None = None
+    icepop_low: PositiveFloat | None = None
     """IcePop: tokens with ``w`` outside [icepop_low, icepop_high] left out, the rest weighted by ``w``."""
-    icepop_high: float | None = None
-    geo_mask_low: float | None = None
+    icepop_high: PositiveFloat | None = None
+    geo_mask_low: PositiveFloat | None = None
     """A sequence-level mask: a datum whose geometric-mean ``w`` is outside
     [geo_mask_low, geo_mask_high] is left out."""
-    geo_mask_high: float | None = None
-    learning_rate: float = 1e-4
+    geo_mask_high: PositiveFloat | None = None
+    learning_rate: PositiveFloat = 1e-4
     lr_schedule: Literal["constant", "linear"] = "constant"
     """``linear`` decays the learning rate from ``learning_rate`` at the first step to 0 after the last."""
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
+    beta1: Annotated[float, Bound(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Bound(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip_norm: NonNegativeFloat = 1.0
     normalize_advantages: bool = True
     """Divide group-centred advantages by the group's reward std (GRPO)."""
     skip_constant_reward: bool = True
     """Drop groups whose surviving rewards are all equal (all advantages zero).
     Off, they still carry the entropy bonus."""
-    min_surviving_attempts: int = 2
+    min_surviving_attempts: PositiveInt = 2
     """Groups with fewer attempts that did not fail are dropped and counted."""
-    eval_every: int = 10
+    eval_every: NonNegativeInt = 10
     """Evaluate on the held-out split every N steps and after the last; 0: never."""
-    eval_temperature: float = 0.0
-    checkpoint_every: int = 0
+    eval_temperature: NonNegativeFloat = 0.0
+    checkpoint_every: NonNegativeInt = 0
     """A quiescent checkpoint every K steps and after the last; 0: never."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: PositiveInt = 2
     drain_policy: Literal["wait", "pause"] = "wait"
-    max_failure_share: float = 0.5
+    max_failure_share: Annotated[float, Bound(gt=0, le=1)] = 0.5
     """Stop the run (``FailureBudgetExceeded``, a non-zero exit) when more than this share of the
     attempts failed, or of the groups went untrained for too few surviving attempts, over the
     last ``failure_window_steps`` steps; 1.0: never."""
-    failure_window_steps: int = 5
-    episode_timeout_s: float = 300.0
-    call_timeout_s: float = 600.0
+    failure_window_steps: PositiveInt = 5
+    episode_timeout_s: PositiveFloat = 300.0
+    call_timeout_s: PositiveFloat = 600.0
     """Bound on every wait for one engine call of the training loop."""
-    shutdown_grace_s: float = 3.0
+    shutdown_grace_s: PositiveFloat = 3.0
     """After a failure or interrupt, how long stages get to stop before they are cancelled."""
-    target_reward: float = 0.9
+    target_reward: FiniteFloat = 0.9
     """The summary reports the first step whose mean reward reaches it."""
     wandb_project: str | None = None
     """Log to Weights & Biases under this project when wandb is installed (never unasked)."""
@@ -180,25 +190,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     order, with the same datums and ``AdamParams``. Settings and recipe come from its ``meta.json``."""
 
     def __post_init__(self) -> None:
-        check_integer("seed", self.seed, minimum=None)
-        if self.steps is not None:
-            check_integer("steps", self.steps, minimum=1)
-        if self.placement not in ("local", "ray"):
-            raise ConfigurationError(f"placement={self.placement!r}: must be 'local' or 'ray'")
-        aggregations = ("sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token", "sequence")
-        if self.loss_aggregation not in aggregations:
-            raise ConfigurationError(f"loss_aggregation={self.loss_aggregation!r}: must be one of "
-                                     f"{', '.join(aggregations)}")
-        for name in ("groups_per_batch", "group_size", "num_minibatches", "num_substeps", "max_tokens", "max_turns",
-                     "sampler_replicas", "trainer_workers",
-                     "min_surviving_attempts", "keep_checkpoints", "failure_window_steps"):
-            check_integer(name, getattr(self, name), minimum=1)
-        for name in ("max_steps_off_policy", "eval_every", "checkpoint_every", "dynamic_sampling_attempts",
-                     "overlong_buffer_len"):
-            check_integer(name, getattr(self, name), minimum=0)
-        if self.workers is not None:
-            check_integer("workers", self.workers, minimum=1)
-        check_number("max_failure_share", self.max_failure_share, minimum=0, exclusive=True, maximum=1)
+        validate(self, ConfigurationError)
+        # Below: the rules between fields, which no one field's type can say.
         if self.min_surviving_attempts > self.group_size:
             raise ConfigurationError(f"min_surviving_attempts={self.min_surviving_attempts}: exceeds "
                                      f"group_size={self.group_size}")
@@ -208,16 +201,6 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         if self.groups_per_batch % self.num_minibatches:
             raise ConfigurationError(f"num_minibatches={self.num_minibatches}: must divide "
                                      f"groups_per_batch={self.groups_per_batch}")
-        for name in ("temperature", "eval_temperature", "entropy_coef", "weight_decay", "grad_clip_norm"):
-            check_number(name, getattr(self, name), minimum=0.0)
-        for name in ("learning_rate", "eps", "episode_timeout_s", "call_timeout_s", "shutdown_grace_s"):
-            check_number(name, getattr(self, name), minimum=0.0, exclusive=True)
-        for name in ("clip_low_threshold", "clip_high_threshold", "kl_coef"):
-            if getattr(self, name) is not None:
-                check_number(name, getattr(self, name), minimum=0.0)
-        for name in CORRECTIONS:
-            if getattr(self, name) is not None:
-                check_number(name, getattr(self, name), minimum=0.0, exclusive=True)
         set_ = [name for name in ("tis_cap", "mis_cap", "icepop_low") if getattr(self, name) is not None]
         if len(set_) > 1:
             raise ConfigurationError(f"{set_[1]}={getattr(self, set_[1])!r}: at most one of tis_cap, mis_cap and "
@@ -235,17 +218,6 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         if self.overlong_buffer_len > self.max_tokens:
             raise ConfigurationError(f"overlong_buffer_len={self.overlong_buffer_len}: exceeds max_tokens="
                                      f"{self.max_tokens} (the buffer is the last tokens before the limit)")
-        check_number("overlong_buffer_penalty_factor", self.overlong_buffer_penalty_factor, minimum=0.0)
-        if not isinstance(self.overlong_filtering, bool):
-            raise ConfigurationError(f"overlong_filtering={self.overlong_filtering!r}: must be true or false")
-        if self.kl_estimator not in (1, 2, 3) or isinstance(self.kl_estimator, bool):
-            raise ConfigurationError(f"kl_estimator={self.kl_estimator!r}: must be 1, 2 or 3 (k1, k2, k3)")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            check_number(name, v, minimum=0.0)
-            if v >= 1.0:
-                raise ConfigurationError(f"{name}={v!r}: must be in [0, 1)")
-        check_number("target_reward", self.target_reward, minimum=None)
         if self.rollout_only and self.train_from is not None:
             raise ConfigurationError(f"rollout_only={self.rollout_only!r}: train_from={self.train_from!r} trains "
                                      "without sampling; rollout_only samples without training")
@@ -288,31 +260,6 @@ RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_che
 """Settings a resumed run may change: they do not change what is sampled or trained (the
 placement moves the same computation: a different number of trainer workers sums each
 gradient in another order, a float rounding apart)."""
-
-
-def check_integer(name: str, value: object, minimum: int | None, maximum: int | None = None) -> None:
-    """A ``ConfigurationError`` naming ``name`` unless ``value`` is an integer (>= ``minimum``,
-    <= ``maximum``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum) \
-            or (maximum is not None and value > maximum):
-        bound = (f" in {minimum}..{maximum}" if minimum is not None and maximum is not None
-                 else f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else "")
-        raise ConfigurationError(f"{name}={value!r}: must be an integer{bound}")
-
-
-def check_number(name: str, value: object, minimum: float | None, exclusive: bool = False,
-                 maximum: float | None = None) -> None:
-    """A ``ConfigurationError`` naming ``name`` unless ``value`` is a finite number (>= ``minimum``,
-    or > with ``exclusive``; <= ``maximum``)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok and minimum is not None:
-        ok = value > minimum if exclusive else value >= minimum
-    if ok and maximum is not None:
-        ok = value <= maximum
-    if not ok:
-        bound = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum}"
-        bound += "" if maximum is None else f"{',' if bound else ''} <= {maximum}"
-        raise ConfigurationError(f"{name}={value!r}: must be a finite number{bound}")
 
 
 _FIELDS = frozenset(TrainConfig.__struct_fields__)

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -47,6 +47,7 @@ from rlengine.serve.router import SessionRouter
 from rlengine.serve.sessions import Retention, SessionManager
 from rlengine.tool_parsers import PARSERS, parser_for
 from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore
+from rlengine.validation import Bound, NonNegativeInt, PositiveInt, validate
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
 __all__ = ["ServeConfig", "Server"]
 
 log = logging.getLogger("rlengine.serve")
+
+_Timeout = Annotated[float, Bound(gt=0, finite=False)]
+"""A wait in seconds, > 0; inf: never."""
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -64,7 +68,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """None: ``engine.sock`` in a new private (0700) temporary directory."""
     http: bool = True
     host: str = "127.0.0.1"
-    port: int = 0
+    port: Annotated[int, Bound(ge=0, le=65535)] = 0
     """0: any free port (the chosen one is printed and in ``Server.http_url``)."""
     api_key: str | None = None
     """The key every HTTP request must carry (``Authorization: Bearer`` or ``x-api-key``), but for those on a
@@ -75,40 +79,40 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     key_file: str | None = None
     """Where a drawn key is written (mode 0600, removed on close); None: ``http-<port>.key`` in
     ``$XDG_RUNTIME_DIR/rlengine``, else in ``~/.rlengine/run`` (mode 0700)."""
-    max_frame: int = DEFAULT_MAX_FRAME
-    max_body_bytes: int = 16 << 20
-    max_in_flight: int = 256
+    max_frame: Annotated[int, Bound(ge=1, le=0xFFFFFFFF, note="a 4-byte frame header")] = DEFAULT_MAX_FRAME
+    max_body_bytes: PositiveInt = 16 << 20
+    max_in_flight: PositiveInt = 256
     """Turns in flight per IPC connection before the server stops reading it."""
-    write_stall_timeout_s: float = 30.0
+    write_stall_timeout_s: _Timeout = 30.0
     """A client (IPC, or HTTP while streaming) that reads nothing of its replies for this long is
     disconnected, its turns abandoned."""
-    max_connections: int = 1024
+    max_connections: PositiveInt = 1024
     """IPC connections at most; one more is told ``unavailable`` and closed."""
-    idle_timeout_s: float = 600.0
+    idle_timeout_s: _Timeout = 600.0
     """An IPC connection with no turn in flight that sends nothing for this long is closed."""
-    frame_timeout_s: float = 30.0
+    frame_timeout_s: _Timeout = 30.0
     """An IPC frame must arrive whole within this long of its first byte."""
-    max_buffered_bytes: int = 128 << 20
+    max_buffered_bytes: PositiveInt = 128 << 20
     """Bytes the IPC connections' incomplete frames may hold together, one budget for all of them
     (beyond it, the connection that would exceed it is told ``unavailable`` and closed)."""
-    tombstone_ttl_s: float = 3600.0
-    max_tombstones: int = 100_000
-    trace_max_bytes: int = DEFAULT_MAX_BYTES
+    tombstone_ttl_s: _Timeout = 3600.0
+    max_tombstones: PositiveInt = 100_000
+    trace_max_bytes: NonNegativeInt = DEFAULT_MAX_BYTES
     trace_share_prompts: bool = True
     """Sessions share the trace store's stored prompts: a system prompt (or a group's prompt)
     that many sessions send is stored once, with a reference count, not once per session.
     Traces are unchanged (every sampled and environment token stays the session's own);
     False gives each session a tree of its own."""
-    max_open_sessions: int = 100_000
+    max_open_sessions: PositiveInt = 100_000
     """Open sessions at most (one more is refused: ``too_many_sessions``, HTTP 429)."""
-    idle_session_ttl_s: float = 3600.0
+    idle_session_ttl_s: _Timeout = 3600.0
     """A session without a turn for this long is closed by the server."""
-    closed_session_ttl_s: float = 600.0
+    closed_session_ttl_s: _Timeout = 600.0
     """A closed session's trace waits this long for ``collect``, then is freed."""
-    max_closed_sessions: int = 10_000
+    max_closed_sessions: PositiveInt = 10_000
     """Closed sessions' traces kept at most, the oldest freed first (and, oldest first, whenever
     the trace store is 90 % full)."""
-    grace_s: float = 5.0
+    grace_s: Annotated[float, Bound(ge=0, finite=False)] = 5.0
     """On shutdown, how long turns in flight may finish before they are aborted."""
     tool_parser: str | None = None
     """How the model writes tool calls (``rlengine.tool_parsers``: ``hermes``, ...); None picks it
@@ -120,25 +124,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                          closed_ttl_s=self.closed_session_ttl_s, max_closed=self.max_closed_sessions)
 
     def __post_init__(self) -> None:
-        for name in ("max_frame", "max_body_bytes", "max_in_flight", "max_tombstones", "max_connections",
-                     "max_buffered_bytes", "max_open_sessions", "max_closed_sessions"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
-        if self.max_frame > 0xFFFFFFFF:
-            raise ConfigurationError(f"max_frame={self.max_frame}: must be < 2**32 (4-byte frame header)")
-        for name in ("write_stall_timeout_s", "tombstone_ttl_s", "idle_timeout_s",
-                     "frame_timeout_s", "idle_session_ttl_s", "closed_session_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigurationError(f"{name}={getattr(self, name)!r}: must be > 0")
-        if not self.grace_s >= 0:
-            raise ConfigurationError(f"grace_s={self.grace_s!r}: must be >= 0")
-        if isinstance(self.port, bool) or not 0 <= self.port <= 65535:
-            raise ConfigurationError(f"port={self.port!r}: must be in [0, 65535]")
-        if not isinstance(self.trace_max_bytes, int) or self.trace_max_bytes < 0:
-            raise ConfigurationError(f"trace_max_bytes={self.trace_max_bytes!r}: must be an integer >= 0")
-        if not isinstance(self.trace_share_prompts, bool):
-            raise ConfigurationError(f"trace_share_prompts={self.trace_share_prompts!r}: must be true or false")
+        validate(self, ConfigurationError)
+        # Below: the rules between fields and the names only another module knows.
         if not (self.ipc or self.http):
             raise ConfigurationError("ipc=False and http=False: nothing to serve")
         check_auth(self.api_key, self.no_auth, self.key_file, self.host if self.http else None)
