@@ -48,7 +48,7 @@ test:
 	$(PY) -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q verifiers==0.4.0
 	$(BIN)lint-imports && $(BIN)ruff check .
 	$(MAKE) test-light PYTHON=$(PY)
-	RLENGINE_REQUIRE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	RLENGINE_REQUIRE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-light:
 	$(PY) -m venv .venv-light && .venv-light/bin/pip install -q -e '.[test-light]'

@@ -213,7 +213,11 @@ class _Replica:
 
 
 class ReplicaSet:
-    """The ``Backend`` of an engine whose backends are Ray actors; see the module docstring."""
+    """The ``Backend`` of an engine whose backends are Ray actors; see the module docstring.
+
+    Why one class: it is one ``Backend`` over many actors, each method the protocol's own routed to
+    them; split, the protocol would be split with it (the actor side is ``ReplicaWorker``).
+    """
 
     def __init__(self, config: EngineConfig, model_path: str | None, spec_name: str) -> None:
         placement = config.placement

@@ -56,7 +56,12 @@ Outcome = tuple[RequestFuture[Any], bool, Any]
 
 
 class SamplerLoop:
-    """Admission, stepping and settlement; loop thread only (but the ``new_*`` constructors)."""
+    """Admission, stepping and settlement; loop thread only (but the ``new_*`` constructors).
+
+    Why one class: admission, stepping and settlement change the same request tables, and one
+    owner of them on the loop thread is what settles every request exactly once (vLLM's
+    ``EngineCore.step`` keeps its phases in one class for the same reason).
+    """
 
     def __init__(self, backend: Backend, compute: ComputeThread, *, continuous: bool, drain_policy: str,
                  drain_timeout_s: float, seed: int) -> None:

@@ -113,7 +113,11 @@ class RolloutResult(NamedTuple):
 
 
 class StepBatch:
-    """What one training step collects from its groups, and the training calls it makes of them."""
+    """What one training step collects from its groups, and the training calls it makes of them.
+
+    Why one class: its methods are one step's books in the order they are used (intake, the
+    training calls, recompute, metrics, dump), each over the same datums and counts.
+    """
 
     def __init__(self, cfg: TrainConfig, training: TrainingClient | None, step: int, updates: int,
                  policy_version: Callable[[int], int]) -> None:

@@ -207,7 +207,11 @@ class _Worker:
 
 
 class SandboxPool:
-    """``size`` sandbox worker processes running ``python -m module fds:N [args]``; see the module docstring."""
+    """``size`` sandbox worker processes running ``python -m module fds:N [args]``; see the module docstring.
+
+    Why one class: the workers, their jobs and the replacement of a dead one are one table of
+    processes (the worker side is ``sandbox_worker``, confinement ``_confine``).
+    """
 
     def __init__(self, module: str, size: int, *, args: tuple[str, ...] = (), job_timeout_s: float = 120.0,
                  grace_s: float = 3.0, env: dict[str, str] | None = None, address_space_bytes: int | None = 8 << 30,

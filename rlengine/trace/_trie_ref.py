@@ -93,6 +93,9 @@ class TokenTrie(SharedTrees):
     trie keeps in its sibling lists. A view keeps its attachments in a dict
     from the shared node they hang off (the C trie: a list through
     ``sibling``; the order is never observed).
+
+    Why one class: it mirrors the compiled trie's one class, method for method, so the
+    differential tests drive both alike (shared trees are in ``SharedTrees``, as trie_share.c).
     """
 
     def __init__(self, max_bytes: int = 0) -> None:

@@ -173,7 +173,11 @@ class _Seq:
 
 
 class TorchBackend:
-    """Continuous-batching PyTorch backend; see the module docstring."""
+    """Continuous-batching PyTorch backend; see the module docstring.
+
+    Why one class: the ``Backend`` protocol over one slot table and KV cache that admission,
+    prefill, decode, prefix reuse and installs all change (the computing is in other modules).
+    """
 
     name = "torch"
 

@@ -201,7 +201,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderRunner:
-    """Prefill and decode for a Llama-style HF causal LM; see the module docstring."""
+    """Prefill and decode for a Llama-style HF causal LM; see the module docstring.
+
+    Why one class: prefill and decode share the weights it binds, the KV layout and the fixed
+    tiles of the batch-invariant path; each is a method over that one state.
+    """
 
     def __init__(self, model: Any, max_len: int, *, batch_invariant: bool = False) -> None:
         self.model = model
