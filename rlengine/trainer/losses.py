@@ -126,6 +126,8 @@ __all__ = [
     "LossSettings",
     "as_settings",
     "clip_thresholds",
+    "concat_inputs",
+    "concat_tokens",
     "correction_weights",
     "elementwise",
     "loss_settings",
@@ -379,6 +381,7 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
         required = (*required, "old_logprobs")
     if thresholds.masked or thresholds.corrections:
         allowed.add("mask")
+    needed = set(required)
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):
             raise InvalidRequest(f"data[{i}]", type(datum).__name__, "must be a Datum")
@@ -388,6 +391,12 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
         if n > max_len:
             raise InvalidRequest(f"data[{i}].model_input.length", n, f"exceeds the model's context {max_len}")
         inputs = datum.loss_fn_inputs
+        shape = [n]
+        # The common case in set operations; a datum that fails them is checked key by key below
+        # for the error that names the first bad key.
+        if (inputs.keys() >= needed and inputs.keys() <= allowed and inputs["target_tokens"].dtype == "int64"
+                and all(td.shape == shape for td in inputs.values())):
+            continue
         for key in required:
             if key not in inputs:
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs", sorted(inputs),
@@ -410,18 +419,33 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
     return thresholds
 
 
-def _concat(data: list[Datum], key: str) -> np.ndarray:
-    return np.concatenate([d.loss_fn_inputs[key].to_numpy() for d in data if key in d.loss_fn_inputs] or [[]])
+def concat_tokens(data: list[Datum]) -> np.ndarray:
+    """Every datum's ``model_input`` token ids, in order, as one int32 array."""
+    # One join of the raw bytes: a numpy view per datum cost more than the data (32 datums: 26 us
+    # against 1.4 us).
+    return np.frombuffer(bytearray(b"".join([d.model_input.tokens_raw for d in data])), dtype=np.int32)
+
+
+def concat_inputs(data: list[Datum], key: str) -> np.ndarray:
+    """The ``key`` input of every datum that has it, in order, as one (writable) array; float64
+    and empty if none has it. Values of differing dtypes are promoted as ``np.concatenate`` does."""
+    values = [d.loss_fn_inputs[key] for d in data if key in d.loss_fn_inputs]
+    if not values:
+        return np.zeros(0)
+    dtype = values[0].dtype
+    if any(td.dtype != dtype for td in values):
+        return np.concatenate([td.to_numpy() for td in values])
+    return np.frombuffer(bytearray(b"".join([td.data_raw for td in values])), dtype=np.dtype(dtype))
 
 
 def _values_ok(data: list[Datum], loss_fn: str, vocab_size: int) -> bool:
     """Every datum's token ids, targets and inputs in range (the checks of ``_check_values``)."""
-    tokens = np.concatenate([d.model_input.to_numpy() for d in data])
-    targets = _concat(data, "target_tokens")
+    tokens = concat_tokens(data)
+    targets = concat_inputs(data, "target_tokens")
     if int(tokens.max()) >= vocab_size or int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
         return False
     keys = {key for d in data for key in d.loss_fn_inputs} - {"target_tokens"}
-    values = {key: _concat(data, key) for key in keys}
+    values = {key: concat_inputs(data, key) for key in keys}
     if not all(np.isfinite(v).all() for v in values.values()):
         return False
     for key, ok, _ in _TRANSFORM_RULES:

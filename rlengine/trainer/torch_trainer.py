@@ -6,9 +6,12 @@ lane beside sampling: ``EngineConfig.train_concurrently``):
 
 * ``forward`` / ``forward_backward(data, loss_fn, thresholds)``: a Datum's
   ``model_input`` tokens are the inputs and ``loss_fn_inputs["target_tokens"]``
-  the next-token target at each position (same length). The model runs its
-  own HF forward on right-padded micro-batches (no mask is needed: causal
-  attention never lets a real position see the padding after it); ``logp``
+  the next-token target at each position (same length). The model runs on
+  right-padded micro-batches (no mask is needed: causal attention never lets
+  a real position see the padding after it), through the lean forward of
+  ``rlengine.trainer.lean`` where the model allows (the HF forward's bits
+  without its model-level overhead; ``forward_path`` says which and why),
+  else its own HF forward; ``logp``
   of each target is ``log_softmax(logits)[target]``. Each loss is the one
   ``rlengine.trainer.losses.elementwise`` defines, which also returns
   ``d loss / d logp``; that is chained into the model with
@@ -68,9 +71,12 @@ from rlengine.backends.torch.runtime import (
 )
 from rlengine.backends.torch.sampling import processed_log_softmax
 from rlengine.errors import ConfigurationError, InvalidRequest
+from rlengine.trainer.lean import LeanForward, lean_forward
 from rlengine.trainer.losses import (
     TRANSFORM_INPUTS,
     as_settings,
+    concat_inputs,
+    concat_tokens,
     correction_weights,
     elementwise,
     mismatch_metrics,
@@ -126,7 +132,12 @@ def _tree_attention_in(model: Any) -> Iterator[None]:
 
 
 class TorchTrainer:
-    """Tinker-style trainer over an HF causal LM; see the module docstring."""
+    """Tinker-style trainer over an HF causal LM; see the module docstring.
+
+    Why one class: the forward passes, the losses chained into them, the optimizer step and
+    the state files all work on one model, its parameters by name and the optimizer over
+    them; the LoRA and FSDP2 trainers subclass it and override parts of that one state.
+    """
 
     name = "torch"
 
@@ -153,6 +164,17 @@ class TorchTrainer:
                                            fused=True)
         self._reference: Any = None
         """The reference policy of a KL penalty (``losses``), loaded on first use."""
+        self._lean: LeanForward | None = None
+        self._forward_path: str | None = None
+
+    @property
+    def forward_path(self) -> str:
+        """How the flat forward runs: ``"lean"`` (``rlengine.trainer.lean``, exactly HF's numbers) or
+        ``"hf: <why not lean>"``. Decided once, on first use: a subclass that wraps or shards the
+        model (LoRA, FSDP2) has done so by then, and the checks see it."""
+        if self._forward_path is None:
+            self._lean, self._forward_path = lean_forward(self.model, _FLAT_ATTENTION)
+        return self._forward_path
 
     # -- forward passes ---------------------------------------------------------------
 
@@ -175,7 +197,9 @@ class TorchTrainer:
         padded forward. Tree batches when some datums share at least ``tree_min_prefix``
         leading tokens (0: never), each within ``micro_batch_tokens`` packed tokens;
         otherwise ``_micro_batches``, all flat."""
-        if self.tree_min_prefix:
+        # A shared prefix of ``tree_min_prefix`` tokens needs two datums at least that long (the
+        # search for one cost a flat batch of short datums a third of a millisecond).
+        if self.tree_min_prefix and sum(d.model_input.length >= self.tree_min_prefix for d in data) > 1:
             seqs = [d.model_input.to_numpy() for d in data]
             groups = tree_groups(seqs, self.tree_min_prefix, self.micro_batch_tokens)
             if groups is not None:
@@ -198,19 +222,21 @@ class TorchTrainer:
         and with ``entropy`` the entropy of the next-token distribution at each position;
         ``model`` None: the trained one; ``tree``: the datums' tree batch, one packed forward."""
         model = model or self.model
-        lengths = [d.model_input.length for d in data]
-        targets = torch.from_numpy(np.concatenate([d.loss_fn_inputs["target_tokens"].to_numpy()
-                                                   for d in data])).to(self.device)
+        targets = torch.from_numpy(concat_inputs(data, "target_tokens")).to(self.device)
         autocast = self.compute_dtype != torch.float32
         if tree is None:
-            n = max(lengths)
-            ids = torch.zeros((len(data), n), dtype=torch.long)
-            for i, d in enumerate(data):
-                ids[i, :lengths[i]] = torch.from_numpy(d.model_input.to_numpy().astype(np.int64))
+            lengths = np.array([d.model_input.length for d in data])
+            # Where the datums' tokens go in the right-padded [len(data), n] batch: a boolean mask
+            # fills in row-major order, which is the datums' concatenated order.
+            real = np.arange(lengths.max()) < lengths[:, None]
+            ids_np = np.zeros(real.shape, dtype=np.int64)
+            ids_np[real] = concat_tokens(data)
+            ids = torch.from_numpy(ids_np).to(self.device)
+            lean = self._lean if model is self.model and self.forward_path == "lean" else None
             with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-                logits = model(input_ids=ids.to(self.device)).logits
-            # The logits row of each datum token: row-major over the padded [len(data), n].
-            rows = torch.from_numpy(np.concatenate([i * n + np.arange(k) for i, k in enumerate(lengths)]))
+                logits = lean(ids) if lean is not None else model(input_ids=ids).logits
+            # The logits row of each datum token, row-major over the padded batch.
+            rows = torch.from_numpy(np.flatnonzero(real))
         else:
             ids = torch.from_numpy(tree.tokens)[None].to(self.device)
             positions = torch.from_numpy(tree.positions)[None].to(self.device)
@@ -272,7 +298,7 @@ class TorchTrainer:
                 logp, ent = self._target_logprobs(batch, entropy=coef > 0, tree=tree)
             logp_np = logp.detach().cpu().numpy()
             ref_np = self._reference_logprobs(batch, tree) if settings.kl_coef is not None else None
-            offsets = np.cumsum([0, *(d.model_input.length for d in batch)])
+            offsets = np.cumsum([0, *(d.model_input.length for d in batch)]).tolist()
             # Elementwise losses and token-level corrections take the micro-batch's tokens at once;
             # gspo and the geometric mask are per sequence, and datums with other inputs than
             # their neighbours' cannot be stacked: those go datum by datum.
@@ -282,16 +308,17 @@ class TorchTrainer:
             grads, masks = [], []
             for part in parts:
                 start, end = offsets[part[0]], offsets[part[-1] + 1]
-                inputs = {key: np.concatenate([batch[j].loss_fn_inputs[key].to_numpy() for j in part])
-                          for key in batch[part[0]].loss_fn_inputs}
+                datums = [batch[j] for j in part]
+                inputs = {key: concat_inputs(datums, key) for key in datums[0].loss_fn_inputs}
                 lp = logp_np[start:end]
                 loss, dlogp = elementwise(loss_fn, lp, inputs, settings)
                 if (sums := mismatch_sums(lp, inputs)):
                     mismatch.append(sums)
-                weights, counts = correction_weights(inputs, settings)
-                loss, dlogp = loss * weights, dlogp * weights
-                for key, value in counts.items():
-                    corrected[key] += value
+                if settings.corrections:  # without, every weight is 1: nothing to multiply
+                    weights, counts = correction_weights(inputs, settings)
+                    loss, dlogp = loss * weights, dlogp * weights
+                    for key, value in counts.items():
+                        corrected[key] += value
                 total += float(loss.sum())
                 mask = inputs["mask"] if "mask" in inputs else np.ones(end - start)
                 if ref_np is not None:
@@ -300,10 +327,15 @@ class TorchTrainer:
                     dlogp = dlogp + settings.kl_coef * mask * dkl
                 grads.append(dlogp)
                 masks.append(mask)
+                # Each datum's outputs are slices of the part's float32 bytes (what
+                # ``TensorData.from_numpy`` of its own slice would hold, without a conversion each).
+                lp_raw, loss_raw = lp.tobytes(), loss.astype(np.float32).tobytes()
                 for j in part:
                     a, b = offsets[j] - start, offsets[j + 1] - start
-                    outputs[group[j]] = {"logprobs": TensorData.from_numpy(lp[a:b]),
-                                         "elementwise_loss": TensorData.from_numpy(loss[a:b].astype(np.float32))}
+                    outputs[group[j]] = {
+                        "logprobs": TensorData(data_raw=lp_raw[4 * a:4 * b], dtype="float32", shape=[b - a]),
+                        "elementwise_loss": TensorData(data_raw=loss_raw[4 * a:4 * b], dtype="float32",
+                                                       shape=[b - a])}
             weights = None
             if ent is not None:
                 weights = torch.from_numpy(np.concatenate(masks).astype(np.float32)).to(self.device)
@@ -446,9 +478,11 @@ def build(config: Any, model_path: str | None) -> TorchTrainer:
     if model_path is None:
         raise ConfigurationError("backend='torch' needs a model directory (model='tiny' or a local path)")
     args = engine_args(config)
-    return TorchTrainer(model_path, device=pick_device(config), compute_dtype=torch_dtype(config),
-                        max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"],
-                        tree_min_prefix=args["tree_min_prefix"], threads_share=threads_share(config))
+    trainer = TorchTrainer(model_path, device=pick_device(config), compute_dtype=torch_dtype(config),
+                           max_len=config.max_model_len, micro_batch_tokens=args["micro_batch_tokens"],
+                           tree_min_prefix=args["tree_min_prefix"], threads_share=threads_share(config))
+    trainer.forward_path  # noqa: B018 - decided here, at load, on the thread that trains
+    return trainer
 
 
 def build_beside_scripted(config: Any, model_path: str | None) -> TorchTrainer:
