@@ -197,3 +197,29 @@ def test_a_moved_module_old_path_warns_and_is_the_new_module(old, new):
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"True ['{old} moved to {new}; the old path goes in the next minor version']"
+
+
+# -- one job per file (issue 30) ------------------------------------------------------------------
+
+MAX_FILE_LINES = 600
+MAX_CLASS_LINES = 250
+"""A class longer than this says in its docstring why it is one class ("Why one class: ...")."""
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def test_no_source_file_is_over_600_lines():
+    over = {str(p.relative_to(ROOT)): n for p in _sources() if (n := p.read_text().count("\n")) > MAX_FILE_LINES}
+    assert not over, f"split these by job (issue 30): {over}"
+
+
+def test_a_class_over_250_lines_says_why_it_is_one_class():
+    unexplained = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
+            if size > MAX_CLASS_LINES and "Why one class:" not in (ast.get_docstring(node) or ""):
+                unexplained.append(f"{path.relative_to(ROOT)}:{node.name} ({size})")
+    assert not unexplained, unexplained
