@@ -3,7 +3,7 @@
 That is how ``rlengine serve`` runs them (one loop, one compute thread per
 replica). Tests drive it from the main thread through real sockets and
 real subprocesses, and run code on the loop with ``on_loop`` (where the
-session layer, the gate and the trace store live). Every wait is bounded.
+session layer, the scheduler and the trace store live). Every wait is bounded.
 
 What it must not do: fake any part of the server.
 """
@@ -11,6 +11,7 @@ What it must not do: fake any part of the server.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -109,6 +110,37 @@ def sampled_segments(trajectory: dict[str, Any]) -> list[list[int]]:
     spans = [(g["start"], g["end"]) for g in trajectory["segments"] if g["kind"] == "sampled"]
     assert mask == [int(any(a <= i < b for a, b in spans)) for i in range(len(toks))]
     return [toks[a:b] for a, b in spans]
+
+
+DEMO_SCHEMA = {"type": "object", "required": ["city", "days", "units", "when", "tags", "where"], "properties": {
+    "city": {"type": "string", "minLength": 10},
+    "days": {"type": "integer", "minimum": 3, "maximum": 7},
+    "units": {"type": "string", "enum": ["metric", "imperial"]},
+    "when": {"type": "string", "format": "date"},
+    "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+    "where": {"type": "object", "properties": {"lat": {"type": "number", "exclusiveMinimum": 2}}},
+}, "additionalProperties": False}
+DEMO_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": DEMO_SCHEMA}},
+              {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]
+
+
+def demo_tool_round_trip(client: Any, model: str) -> None:
+    """An agent's loop against the demo script (``rlengine serve --demo``), with an ``openai``
+    client: it calls the first tool with arguments valid under its schema, then answers with the
+    tool's result; without tools it answers a readable text."""
+    import jsonschema
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = client.chat.completions.create(model=model, messages=messages, tools=DEMO_TOOLS)
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "forecast"
+    jsonschema.validate(json.loads(call.function.arguments), DEMO_SCHEMA)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=model, messages=messages, tools=DEMO_TOOLS).choices[0]
+    assert answer.finish_reason == "stop" and "sunny, 21 C" in answer.message.content
+    hello = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}])
+    assert "demo" in hello.choices[0].message.content and '"Hi there"' in hello.choices[0].message.content
 
 
 def rss_mb() -> float:

@@ -374,7 +374,7 @@ class _Soak:
         def turn() -> None:
             try:
                 client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x"}],
-                                               max_tokens=5000)
+                                               max_tokens=4000)
                 outcomes.append("completed")
             except openai.APIStatusError as exc:
                 outcomes.append(str(exc.status_code))

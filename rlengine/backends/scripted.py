@@ -24,7 +24,9 @@ would not have allowed.
 
 Set the script with ``engine_args={"script": [...]}`` (and ``rlengine serve
 engine_args.script='[...]'``), or replace it while the engine runs with
-``ScriptedBackend.set_script``. This module runs on the compute thread and
+``ScriptedBackend.set_script``. The script ``"demo"`` answers from each
+prompt instead (``backends.demo_script``: a call of the first tool offered,
+then a text quoting its result; ``rlengine serve --demo``). This module runs on the compute thread and
 must not touch engine state; it imports transformers only to load the
 tokenizer (and torch with the torch backend's stop-string detection).
 """
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
+from rlengine.backends.demo_script import demo_reply
 from rlengine.backends.grammar import Grammars
 from rlengine.backends.torch.sampling import StopText
 from rlengine.errors import ConfigurationError, InvalidRequest
@@ -75,22 +78,30 @@ class ScriptedBackend:
         self.end_token = end
         self.grammars = Grammars(tokenizer, vocab_size, [end])
         self._lock = threading.Lock()
-        self._script: Iterator[str] = iter(())
+        self._script: Iterator[str] | None = iter(())
         self.set_script(script)
         self._running: dict[str, _Seq] = {}
         self.version = 0
 
-    def set_script(self, script: Sequence[str]) -> None:
-        """Use ``script`` from the next new sequence on (thread-safe)."""
-        texts = list(script)
+    def set_script(self, script: Sequence[str] | str) -> None:
+        """Use ``script`` from the next new sequence on (thread-safe); ``"demo"``: the demo's
+        replies to each prompt (``backends.demo_script``)."""
+        if script == "demo":
+            with self._lock:
+                self._script = None
+            return
+        texts = list(script) if not isinstance(script, str) else []
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise ConfigurationError(f"script={script!r}: must be a non-empty list of completion texts")
+            raise ConfigurationError(f"script={script!r}: must be a non-empty list of completion texts, or 'demo'")
         with self._lock:
             self._script = itertools.cycle(texts)
 
-    def _next_tokens(self) -> list[int]:
+    def _next_tokens(self, prompt: bytes) -> list[int]:
         with self._lock:
-            text = next(self._script)
+            script = self._script
+            text = next(script) if script is not None else None
+        if text is None:
+            text = demo_reply(self.tokenizer.decode(array("i", prompt).tolist()))
         return [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.end_token]
 
     # -- the protocol ---------------------------------------------------------
@@ -100,7 +111,7 @@ class ScriptedBackend:
             raise ValueError(f"request_id={request.request_id!r}: already in the scripted backend")
         if request.prompt_logprobs:
             raise ValueError("the scripted backend computes no prompt logprobs")
-        tokens = self._next_tokens()
+        tokens = self._next_tokens(request.prompt)
         if request.params.constraint is not None:
             self._check(request.params.constraint, tokens)
         self._running[request.request_id] = _Seq(request, tokens, self.tokenizer)

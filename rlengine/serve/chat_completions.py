@@ -30,7 +30,7 @@ from rlengine.protocol import Choice, Unsupported
 from rlengine.serve.session_types import ToolUse, TurnResult
 from rlengine.types import SamplingParams, unpack_top
 
-__all__ = ["ChatChunks", "ChatCompletionRequest", "completion_body", "to_chat"]
+__all__ = ["ChatChunks", "ChatCompletionRequest", "StreamOptions", "completion_body", "to_chat", "usage_of"]
 
 
 class _ContentPart(msgspec.Struct, frozen=True):
@@ -58,7 +58,9 @@ class _Message(msgspec.Struct, frozen=True):
     reasoning_content: str | None = None
 
 
-class _StreamOptions(msgspec.Struct, frozen=True):
+class StreamOptions(msgspec.Struct, frozen=True):
+    """``stream_options`` (Chat Completions' and Completions')."""
+
     include_usage: bool = False
 
 
@@ -74,7 +76,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
     top_k: int | None = None
     n: int = 1
     stream: bool = False
-    stream_options: _StreamOptions | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: bool = False
@@ -147,7 +149,8 @@ def _tool_call_list(choice: Choice) -> list[dict[str, Any]]:
             for c in choice.tool_calls or ()]
 
 
-def _usage(result: TurnResult) -> dict[str, int]:
+def usage_of(result: TurnResult) -> dict[str, int]:
+    """OpenAI's ``usage`` of a finished turn (Chat Completions' and Completions')."""
     completion_tokens = sum(len(c.tokens_raw) // 4 for c in result.choices)
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": result.prompt_tokens + completion_tokens}
@@ -183,7 +186,7 @@ def completion_body(result: TurnResult, model: str, session_id: str | None, logp
         "choices": [{"index": i, "message": _message(c), "finish_reason": _finish_reason(c),
                      "logprobs": _logprobs(c, decode) if logprobs else None}
                     for i, c in enumerate(result.choices)],
-        "usage": _usage(result),
+        "usage": usage_of(result),
     }
     if session_id is not None:
         body["session_id"] = session_id
@@ -228,6 +231,6 @@ class ChatChunks:
                                         "finish_reason": None}]))
             out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": _finish_reason(choice)}]))
         if self.include_usage:
-            out.append(self.chunk([], _usage(result)))
+            out.append(self.chunk([], usage_of(result)))
         out.append(b"data: [DONE]\n\n")
         return b"".join(out)

@@ -28,7 +28,7 @@ from rlengine.protocol import Unsupported
 from rlengine.render import TextStream
 from rlengine.serve.errors import to_serve_error
 from rlengine.serve.session_types import Session, ToolUse, TurnResult
-from rlengine.serve.sessions import SessionManager
+from rlengine.serve.sessions import OnTokens, SessionManager
 from rlengine.types import SamplingParams
 
 __all__ = ["ContentStream", "StreamDialect", "TurnStreamer"]
@@ -105,15 +105,29 @@ class TurnStreamer:
 
     async def stream(self, request: web.Request, session: Session | None, affinity: str | None,
                      messages: list[dict[str, Any]], params: SamplingParams, n: int, tools: Any,
-                     tool_use: ToolUse, dialect: Callable[[str], StreamDialect]) -> web.StreamResponse:
-        """Stream a turn as server-sent events in ``dialect(request_id)``'s shape (every API's one loop).
+                     tool_use: ToolUse, dialect: Callable[[str], StreamDialect],
+                     max_tokens_field: str | None = None) -> web.StreamResponse:
+        """Stream a chat turn as server-sent events in ``dialect(request_id)``'s shape (every chat
+        API's one loop; ``max_tokens_field`` as for ``SessionManager.chat``).
 
         Text that may turn out to be a tool call's markup, or the stop string the
         reply ends before, is held back until the turn's end settles it. A client
         that goes away abandons the turn, with or without output sent."""
-        fut, queue = self._streamed_turn(session, messages, params, n, tools, tool_use, affinity)
+        if self.sessions.renderer is None:
+            raise Unsupported("chat: this backend has no tokenizer and chat template")
+
+        def start(on_tokens: OnTokens) -> RequestFuture[TurnResult]:
+            return self.sessions.chat(session, messages, params, n, on_tokens=on_tokens, tools=tools,
+                                      tool_use=tool_use, affinity=affinity, max_tokens_field=max_tokens_field)
+
+        return await self.stream_turn(request, start, n, self._held(params, tools, tool_use), dialect)
+
+    async def stream_turn(self, request: web.Request, start: Callable[[OnTokens], RequestFuture[TurnResult]], n: int,
+                          held: tuple[str, ...], dialect: Callable[[str], StreamDialect]) -> web.StreamResponse:
+        """Stream the turn ``start(on_tokens)`` submits (a chat or a token turn of ``n`` choices),
+        holding back text from where one of ``held`` may begin; see ``stream``."""
+        fut, queue = self._streamed_turn(start)
         events = dialect(fut.request_id)
-        held = self._held(params, tools, tool_use)
         streams = [ContentStream(self.sessions.renderer, held) for _ in range(n)]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
@@ -141,19 +155,16 @@ class TurnStreamer:
             self._abandon(fut, response)
         return response
 
-    def _streamed_turn(self, session: Session | None, messages: list[dict[str, Any]], params: SamplingParams,
-                       n: int, tools: Any, tool_use: ToolUse, affinity: str | None) -> tuple[Any, asyncio.Queue]:
+    @staticmethod
+    def _streamed_turn(start: Callable[[OnTokens], RequestFuture[TurnResult]]) -> tuple[Any, asyncio.Queue]:
         """Start a turn whose tokens arrive on a queue as ``(choice index, ids)``; None once it settled."""
-        if self.sessions.renderer is None:
-            raise Unsupported("chat: this backend has no tokenizer and chat template")
         queue: asyncio.Queue[tuple[int, list[int]] | None] = asyncio.Queue()
 
         def on_tokens(index: int, ids: list[int], _lps: list[float], _version: int) -> None:
             queue.put_nowait((index, ids))
 
         # Validation errors raise here, before any byte of the response is sent.
-        fut = self.sessions.chat(session, messages, params, n, on_tokens=on_tokens, tools=tools, tool_use=tool_use,
-                                 affinity=affinity)
+        fut = start(on_tokens)
         fut.add_done_callback(lambda _f: queue.put_nowait(None))
         return fut, queue
 

@@ -196,7 +196,7 @@ class SessionManager:
 
     def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
              on_tokens: OnTokens | None = None, tools: Any = None, tool_use: ToolUse = _FREE,
-             affinity: str | None = None) -> RequestFuture[TurnResult]:
+             affinity: str | None = None, max_tokens_field: str | None = None) -> RequestFuture[TurnResult]:
         """Sample a chat turn; ``session`` None: a stateless request (nothing traced).
 
         ``tools`` (OpenAI function tools) are rendered by the model's chat
@@ -207,7 +207,11 @@ class SessionManager:
         ``parallel`` False at most the first call is returned, and a
         completion that made more is not matched back when the conversation
         continues: it branches. ``affinity`` (a stateless request only) keeps
-        requests that name the same key on one replica."""
+        requests that name the same key on one replica. With ``max_tokens_field`` (the
+        HTTP APIs' name for ``params.max_tokens``) a ``max_tokens`` the context cannot hold
+        after the prompt is refused (``ContextLengthExceeded`` naming that field), as OpenAI
+        and Anthropic refuse it; without, the completion ends at the context (stop reason
+        ``length``), as the engine's own API and vLLM's engine end it."""
         renderer = self.renderer
         if renderer is None:
             raise Unsupported("chat: this backend has no tokenizer and chat template; use token turns (generate)")
@@ -232,7 +236,8 @@ class SessionManager:
             params = msgspec.structs.replace(params, constraint=constraint)
 
         def launch(prep: Prepared) -> RequestFuture[TurnResult]:
-            return self._launch(session, prep, msgs, tools, parser, one_tool_call, params, n, on_tokens, affinity)
+            return self._launch(session, prep, msgs, tools, parser, one_tool_call, params, n, on_tokens, affinity,
+                                max_tokens_field)
 
         if chars < self.offload_chars:
             return launch(self.capture.prepare(session, renderer, msgs, tools))
@@ -268,7 +273,7 @@ class SessionManager:
     def _launch(self, session: Session | None, prep: Prepared, msgs: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, parser: ToolParser | None, one_tool_call: bool,
                 params: SamplingParams, n: int, on_tokens: OnTokens | None,
-                affinity: str | None) -> RequestFuture[TurnResult]:
+                affinity: str | None, max_tokens_field: str | None) -> RequestFuture[TurnResult]:
         """Submit a prepared chat turn (loop thread)."""
         capture = self.capture
         if session is None:
@@ -276,7 +281,7 @@ class SessionManager:
             def reply(resp: SampleResponse, request_id: str) -> list[Choice]:
                 return capture.replies(resp, params, parser, one_tool_call)
 
-            return self._submit(None, prep.ids.tobytes(), params, n, on_tokens, reply, affinity)
+            return self._submit(None, prep.ids.tobytes(), params, n, on_tokens, reply, affinity, max_tokens_field)
         base = prep.base
         assert base is not None
         prompt = self.store.path_tokens(session.session_id, base.handle).tobytes() + prep.ids.tobytes()
@@ -285,21 +290,29 @@ class SessionManager:
             return capture.record_chat(session, base, prep.ids, msgs, prep.keys, prep.full, tools, parser,
                                        one_tool_call, params, resp, request_id)
 
-        return self._submit(session, prompt, params, n, on_tokens, record)
+        return self._submit(session, prompt, params, n, on_tokens, record, None, max_tokens_field)
 
-    def generate(self, session: Session, prompt: bytes, params: SamplingParams, n: int = 1,
-                 on_tokens: OnTokens | None = None) -> RequestFuture[TurnResult]:
+    def generate(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int = 1,
+                 on_tokens: OnTokens | None = None, *, text: bool = False, affinity: str | None = None,
+                 max_tokens_field: str | None = None) -> RequestFuture[TurnResult]:
         """Sample a token turn: ``prompt`` is the whole conversation as raw int32 (the
-        engine checks it, like every prompt)."""
+        engine checks it, like every prompt); ``session`` None: a stateless one (nothing
+        traced; ``affinity`` as for ``chat``). With ``text`` each choice also carries its text
+        as a client sees it (``TraceCapture.replies``: without the final stop token or stop
+        string; the renderer's tokenizer decodes it). ``max_tokens_field`` as for ``chat``."""
+        capture = self.capture
+        if (text or session is None) and capture.renderer is None:
+            raise Unsupported("generate: text, and stateless token turns, need a tokenizer; this backend has none")
 
         def record(resp: SampleResponse, request_id: str) -> list[Choice]:
-            return self.capture.record_tokens(session, prompt, resp, request_id)
+            choices = None if session is None else capture.record_tokens(session, prompt, resp, request_id)
+            return capture.replies(resp, params, None, False) if text or choices is None else choices
 
-        return self._submit(session, prompt, params, n, on_tokens, record)
+        return self._submit(session, prompt, params, n, on_tokens, record, affinity, max_tokens_field)
 
     def _submit(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int,
                 on_tokens: OnTokens | None, record: Callable[[SampleResponse, str], list[Choice]],
-                affinity: str | None = None) -> RequestFuture[TurnResult]:
+                affinity: str | None = None, max_tokens_field: str | None = None) -> RequestFuture[TurnResult]:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_SAMPLES}]")
         router, leases = self.router, self.leases
@@ -311,6 +324,13 @@ class SessionManager:
             replica = router.least_loaded() if affinity is None else router.affine(affinity)
         engine = router.engines[replica]
         spec = engine.validate_sample(ModelInput(tokens_raw=prompt), n, params)
+        if max_tokens_field is not None and params.max_tokens is not None:
+            context, used = engine.backend.max_model_len, len(prompt) // 4
+            if used + params.max_tokens > context:
+                raise ContextLengthExceeded(max_tokens_field, params.max_tokens, context,
+                                            f"you requested {used + params.max_tokens} tokens ({used} in the prompt, "
+                                            f"{params.max_tokens} in the completion); reduce the prompt or "
+                                            f"{max_tokens_field}")
         sample = engine.submit_sample(spec, session_id=None if session is None else session.session_id,
                                       on_tokens=on_tokens)
         request_id = sample.request_id
