@@ -1,17 +1,17 @@
-"""rlengine.core: the engine, its sampler loop, admission and the request gate.
+"""rlengine.core: the engine, its sampler loop and its scheduler (admission, leases, the install gate).
 
 One role per module, each the single owner of its per-request records:
 
 * ``engine``    - ``Engine``: its state and read-outs, made of three parts:
   ``lifecycle`` (start, close, threads), ``submission`` (the one validated
   submission path, ``Engine.sample``, and the thread-safe hand-in) and
-  ``installs`` (weight installs through the gate); it talks to the sampler only;
+  ``installs`` (weight installs through the install gate); it talks to the sampler only;
 * ``sampler``   - ``SamplerLoop``: changes and settles every request from
   submission to settlement, steps the backend on the compute thread;
 * ``records``   - the per-request records it owns (sample calls and their
   sequences, external leases, blocking work) and their constructors;
-* ``scheduler`` - ``Scheduler``: the FIFO's admission rule and the lease
-  ledger (the request gate); it owns every ``Lease``;
+* ``scheduler`` - ``Scheduler``: the FIFO's admission rule, the lease
+  ledger and the install gate (seal, drain, install, reopen); it owns every ``Lease``;
 * ``compute``   - the one compute thread (data plane);
 * ``futures``   - ``RequestFuture``, what a caller holds per request;
 * ``config``    - ``EngineConfig`` and ``SimConfig``;

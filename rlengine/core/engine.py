@@ -14,20 +14,20 @@ compute thread (``rlengine.core.compute``), so the loop stays responsive while t
 accelerator (or CPU) computes; with ``EngineConfig.train_concurrently``
 training calls get a thread of their own beside it (``rlengine.core.training``).
 
-``Engine`` holds the state and the public read-outs (state, stats, the gate to
-inspect, the clients); its work is in three parts, one job each:
+``Engine`` holds the state and the public read-outs (state, stats, the scheduler
+to inspect, the clients); its work is in three parts, one job each:
 
 * ``rlengine.core.lifecycle`` - start and close, the threads, the backend and
   trainer it builds;
 * ``rlengine.core.submission`` - the one validated submission path
   (``validate_sample``; ``sample`` = validate + ``submit_sample``) and the
   thread-safe hand-over to the loop;
-* ``rlengine.core.installs`` - weight installs and unloads through the gate,
-  and the unknown leases that poison it.
+* ``rlengine.core.installs`` - weight installs and unloads through the
+  install gate, and the unknown leases that poison it.
 
 It talks only to the sampler loop (``rlengine.core.sampler``), which owns
 every request from submission to settlement and, through its scheduler
-(``rlengine.core.scheduler``), admission and the request gate. It imports no
+(``rlengine.core.scheduler``), admission, the leases and the install gate. It imports no
 torch: model backends and trainers are imported lazily.
 """
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -99,10 +100,16 @@ class Engine(EngineLifecycle, SubmissionAPI, WeightInstalls):
         return self._backend
 
     @property
-    def gate(self) -> Scheduler:
-        """The request gate, to inspect (version, receipts, unknown leases; loop thread
+    def scheduler(self) -> Scheduler:
+        """The scheduler, to inspect (version, receipts, unknown leases; loop thread
         only; see ``rlengine.core.scheduler``). Changes go through the engine."""
-        return self._started().gate
+        return self._started().scheduler
+
+    @property
+    def gate(self) -> Scheduler:
+        """Deprecated: ``scheduler`` (the same object, under its one name)."""
+        warnings.warn("Engine.gate is deprecated: use Engine.scheduler", DeprecationWarning, stacklevel=2)
+        return self.scheduler
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

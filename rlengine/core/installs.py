@@ -1,9 +1,9 @@
-"""Weight installs through the request gate, and what keeps the gate from installing.
+"""Weight installs through the install gate, and what keeps the gate from installing.
 
-A weight install is blocking work (``Engine.submit_blocking``): the gate
-(``rlengine.core.scheduler``) is sealed, the sampler drained (or paused), the
-weights loaded on the compute thread as the next policy version, and the
-gate reopened at that version. With a training lane
+A weight install is blocking work (``Engine.submit_blocking``) that passes the
+scheduler's install gate (``rlengine.core.scheduler``): admission is sealed,
+the sampler drained (or paused), the weights loaded on the compute thread as
+the next policy version, and the gate reopened at that version. With a training lane
 (``EngineConfig.train_concurrently``) the weights are first copied where
 training runs, after the training calls queued before the install. An
 unload is the same item with nothing loaded after it.
@@ -30,7 +30,7 @@ __all__ = ["WeightInstalls"]
 
 
 class WeightInstalls:
-    """Weight installs, unloads and the gate's unknown leases of an ``Engine``; see the module docstring."""
+    """Weight installs, unloads and the scheduler's unknown leases of an ``Engine``; see the module docstring."""
 
     # The engine's state this part uses (``Engine.__init__`` makes it).
     backend: Backend

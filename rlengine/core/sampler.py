@@ -4,8 +4,9 @@ One coroutine on the engine's loop thread drives everything that touches
 the backend, through the single compute thread:
 
 1. admit what the scheduler allows (stale requests fail fast here);
-2. if blocking work heads the FIFO and the gate is drained (or paused), run
-   it with the sampler asleep, then wake it and reopen;
+2. if blocking work heads the FIFO and the scheduler has sealed admission
+   and drained every lease (or paused them), run it with the sampler asleep,
+   then wake it and reopen;
 3. otherwise run one backend step (adds, aborts, ``step()``) on the compute
    thread and settle every request that finished in it, at once: a request's
    future completes the moment its own generation completes (no waves).
@@ -67,8 +68,8 @@ class SamplerLoop:
                  drain_timeout_s: float, seed: int) -> None:
         self.backend = backend
         self.compute = compute
-        self.gate = Scheduler(continuous=continuous, version=0)
-        """The scheduler: the FIFO's admission rule and the request gate (read it on the loop thread)."""
+        self.scheduler = Scheduler(continuous=continuous, version=0)
+        """The FIFO's admission rule, the lease ledger and the install gate (read it on the loop thread)."""
         self.drain_policy = drain_policy
         # Per-step token deltas are only needed to keep the partial tokens of
         # paused requests; otherwise each sequence reports once, finished.
@@ -85,7 +86,7 @@ class SamplerLoop:
         self._wake = asyncio.Event()
         self._interrupt = False
         """Set on the loop when new work arrives; read by the compute thread between steps."""
-        self.gate.on_drained = self._signal
+        self.scheduler.on_drained = self._signal
         self._stopping = False
         self.dead: EngineDeadError | None = None
         self.asleep = False
@@ -95,24 +96,24 @@ class SamplerLoop:
         self.busy_s = 0.0
         """Seconds spent running backend steps (the RL loop derives the sampler's idle share)."""
 
-    # -- the gate, for the engine (loop thread) ------------------------------------------
+    # -- the scheduler, for the engine (loop thread) -------------------------------------
 
     @property
     def version(self) -> int | None:
         """The policy version loaded in the sampler (None: unloaded)."""
-        return self.gate.version
+        return self.scheduler.version
 
     def check_installable(self) -> None:
         """Raise ``GatePoisoned`` while a lease with an unknown outcome exists."""
-        self.gate.assert_healthy()
+        self.scheduler.assert_healthy()
 
     def install_version(self, version: int | None) -> None:
         """Record a weight install (or unload: None); called by blocking work, sealed and drained."""
-        self.gate.install_version(version)
+        self.scheduler.install_version(version)
 
     def write_off(self, lease_id: int) -> Receipt:
         """Give up on a lease with an unknown outcome (un-poisons the gate for it)."""
-        return self.gate.write_off(lease_id)
+        return self.scheduler.write_off(lease_id)
 
     # -- intake (loop thread) --------------------------------------------------
 
@@ -128,12 +129,12 @@ class SamplerLoop:
         if self._stopping:
             entry.future.set_exception(EngineClosed(f"request {entry.request_id}: the engine is closing"))
             return
-        self.gate.submit(entry)
+        self.scheduler.submit(entry)
         self._signal()
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; it settles as aborted exactly once."""
-        entry = self.gate.remove(request_id)
+        entry = self.scheduler.remove(request_id)
         if entry is not None:
             self._settle_unstarted(entry, RequestAborted(f"request {request_id} aborted before it started"))
             return
@@ -157,7 +158,7 @@ class SamplerLoop:
             self.abort(request_id)
             return None
         lease = request.lease
-        self.gate.mark_unknown(lease, reason)
+        self.scheduler.mark_unknown(lease, reason)
         self._abort_sample(request)
         self._signal()
         return lease.lease_id
@@ -199,9 +200,9 @@ class SamplerLoop:
         than the 0.5 us a hand-inlined copy must save to stay;
         ``tests/core/test_sampler.py`` checks that both build the same request.
         """
-        admission = self.gate.admit()
+        admission = self.scheduler.admit()
         for entry in admission.stale:
-            entry.future.set_exception(self.gate.stale_error(entry))
+            entry.future.set_exception(self.scheduler.stale_error(entry))
         max_model_len = self.backend.max_model_len
         requests, seqs, to_add, rng, stream_all = self._requests, self._seqs, self._to_add, self._rng, self._stream
         for request, lease in zip(admission.admitted, admission.leases):
@@ -284,7 +285,7 @@ class SamplerLoop:
     async def _run_step(self, step: bool = True) -> None:
         adds, self._to_add = self._to_add, []
         aborts, self._to_abort = self._to_abort, []
-        version = self.gate.version
+        version = self.scheduler.version
         # Cleared before the job starts: anything enqueued from now on stops
         # its step run, so new work waits at most one backend step.
         self._interrupt = False
@@ -299,7 +300,7 @@ class SamplerLoop:
                 self._fail_sample(seq.request, exc, unknown=False)
         settled: list[Outcome] = []
         self._apply(outs, -1 if version is None else version, settled)
-        if self._wave_hold and self.gate.quiesced:
+        if self._wave_hold and self.scheduler.quiesced:
             settled += self._wave_hold
             self._wave_hold = []
         # Every request that finished in this step is settled before any of
@@ -365,9 +366,9 @@ class SamplerLoop:
             # The lease already knows its versions: the one at admission and
             # any it was resumed on after a pause. An abandoned request's lease
             # stays unknown (see ``abandon``).
-            self.gate.settle(lease, "aborted" if aborted else "completed")
+            self.scheduler.settle(lease, "aborted" if aborted else "completed")
         outcome = (request.future, True, response)
-        if not self.gate.continuous and not aborted:
+        if not self.scheduler.continuous and not aborted:
             self._wave_hold.append(outcome)
         elif settled is not None:
             settled.append(outcome)
@@ -381,9 +382,9 @@ class SamplerLoop:
         lease = request.lease
         if lease is not None:
             if unknown:
-                self.gate.mark_unknown(lease, str(exc))
+                self.scheduler.mark_unknown(lease, str(exc))
             elif lease.state is not LeaseState.UNKNOWN:
-                self.gate.settle(lease, "failed")
+                self.scheduler.settle(lease, "failed")
         request.seqs = None  # the request <-> sequence cycle, as in _complete
         if settled is not None:
             settled.append((request.future, False, exc))
@@ -405,19 +406,19 @@ class SamplerLoop:
         # Sequences admitted but not yet sent to the backend are paused too:
         # the abort of an id the backend never saw is a no-op.
         self._to_add.clear()
-        self.gate.pause_active(leases)
+        self.scheduler.pause_active(leases)
 
     def _resume_paused(self) -> None:
         """Continue paused sequences on the (new) weights: prompt + tokens so far."""
         resumed, self._paused = self._paused, []
-        self.gate.resume_paused()
-        version = self.gate.version
+        self.scheduler.resume_paused()
+        version = self.scheduler.version
         for seq in resumed:
             request = seq.request
             if request.request_id not in self._requests:
                 continue
-            if self.gate.is_stale(request.version):
-                self._fail_sample(request, self.gate.stale_error(request), unknown=False)
+            if self.scheduler.is_stale(request.version):
+                self._fail_sample(request, self.scheduler.stale_error(request), unknown=False)
                 continue
             if version is not None and request.lease is not None:
                 request.lease.add_version(version)
@@ -428,8 +429,8 @@ class SamplerLoop:
 
     async def _run_blocking(self, work: BlockingWork) -> None:
         loop = asyncio.get_running_loop()
-        self.gate.pop_head()
-        self.gate.seal()
+        self.scheduler.pop_head()
+        self.scheduler.seal()
         self._running_blocking = work
         noop = work.noop is not None and work.noop()
         try:
@@ -453,15 +454,15 @@ class SamplerLoop:
             work.future.set_result(result)
         finally:
             self._running_blocking = None
-            self.gate.reopen()
+            self.scheduler.reopen()
             self.blocking_runs += 1
         # Also after a no-op: it may be the last of a run of blocking entries
         # that put the sampler to sleep or paused requests.
-        if self.gate.head_blocking() is None and not self._stopping:
+        if self.scheduler.head_blocking() is None and not self._stopping:
             await self._wake_sampler()
 
     async def _wake_sampler(self) -> None:
-        if self.asleep and self.gate.version is not None:
+        if self.asleep and self.scheduler.version is not None:
             await self.compute.submit(asyncio.get_running_loop(), self.backend.wake_up)
             self.asleep = False
         if self._paused:
@@ -471,15 +472,15 @@ class SamplerLoop:
         """Whether ``head`` may run now; applies the drain policy and deadline."""
         if head.noop is not None and head.noop():
             return True
-        if self.gate.quiesced:
+        if self.scheduler.quiesced:
             return True
         if self.drain_policy == "pause" and self._requests:
             self._pause_in_flight()
-            return self.gate.quiesced
-        if self.gate.head_waited() > self.drain_timeout_s:
-            self.gate.pop_head()
+            return self.scheduler.quiesced
+        if self.scheduler.head_waited() > self.drain_timeout_s:
+            self.scheduler.pop_head()
             head.future.set_exception(DrainTimeout(
-                f"{head.kind} {head.request_id}: {self.gate.in_flight} lease(s) still running after "
+                f"{head.kind} {head.request_id}: {self.scheduler.in_flight} lease(s) still running after "
                 f"drain_timeout_s={self.drain_timeout_s}"))
         return False
 
@@ -488,9 +489,9 @@ class SamplerLoop:
     async def serve(self) -> None:
         """Run until ``stop`` (or death); never raises: a crash kills the engine."""
         try:
-            while not (self._stopping and not self._seqs and not len(self.gate)):
+            while not (self._stopping and not self._seqs and not len(self.scheduler)):
                 self._admit()
-                head = self.gate.head_blocking()
+                head = self.scheduler.head_blocking()
                 if head is not None and self._blocking_ready(head):
                     await self._run_blocking(head)
                     continue
@@ -500,7 +501,7 @@ class SamplerLoop:
                 if head is not None:
                     # Waiting for external leases to drain: wake on settlement or deadline.
                     self._wake.clear()
-                    left = self.drain_timeout_s - self.gate.head_waited()
+                    left = self.drain_timeout_s - self.scheduler.head_waited()
                     try:
                         await asyncio.wait_for(self._wake.wait(), max(0.0, left) + 0.001)
                     except TimeoutError:
@@ -523,7 +524,7 @@ class SamplerLoop:
             return
         self._stopping = True
         closed = EngineClosed("the engine closed before this request ran")
-        for entry in self.gate.drain_pending():
+        for entry in self.scheduler.drain_pending():
             self._settle_unstarted(entry, closed)
         for request in list(self._requests.values()):
             self._abort_sample(request)
@@ -543,11 +544,11 @@ class SamplerLoop:
         self.dead = error
         self._stopping = True
         self._flush_wave()
-        failed: list[Outcome] = [(entry.future, False, error) for entry in self.gate.drain_pending()]
+        failed: list[Outcome] = [(entry.future, False, error) for entry in self.scheduler.drain_pending()]
         for request in list(self._requests.values()):
             self._requests.pop(request.request_id, None)
             if request.lease is not None and request.lease.state is not LeaseState.SETTLED:
-                self.gate.mark_unknown(request.lease, f"engine died: {cause or error}")
+                self.scheduler.mark_unknown(request.lease, f"engine died: {cause or error}")
             failed.append((request.future, False, error))
         self._seqs.clear()
         self._paused.clear()
@@ -557,8 +558,8 @@ class SamplerLoop:
         self._signal()
 
     def describe(self) -> dict[str, Any]:
-        return {"in_flight_sequences": len(self._seqs), "queued": len(self.gate),
+        return {"in_flight_sequences": len(self._seqs), "queued": len(self.scheduler),
                 "steps": self.steps, "busy_s": self.busy_s, "admitted": self.admitted,
                 "blocking_runs": self.blocking_runs,
                 "asleep": self.asleep,
-                "version": self.gate.version, "sealed": self.gate.sealed}
+                "version": self.scheduler.version, "sealed": self.scheduler.sealed}

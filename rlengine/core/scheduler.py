@@ -1,4 +1,4 @@
-"""Admission control and the request gate: one mechanism, one FIFO.
+"""The scheduler: admission control, the lease ledger and the install gate, over one FIFO.
 
 Everything that wants the sampler waits in a single FIFO of queued work.
 The scheduler does not know what the work is; it sees each entry through
@@ -14,10 +14,10 @@ every lease is drained (or, under the ``pause`` policy, paused). Samples
 queued before it finish first and samples queued after it start after it:
 no starvation of either kind. Admitted entries each get a *lease*.
 
-The request gate is the lease ledger of the same object: ``seal``, the
-drain (``quiesced``; ``on_drained`` tells the sampler loop when the last
-running lease settles), ``install_version``, ``reopen`` and
-``assert_healthy``. A lease
+Around blocking work, and a weight install above all, the scheduler is
+the install gate: ``seal``, the drain (``quiesced``; ``on_drained`` tells
+the sampler loop when the last running lease settles), ``install_version``,
+``reopen``, and ``assert_healthy`` before it. A lease
 whose outcome is unknown (the backend failed mid-generation, a client went
 away before settlement) poisons the gate: ``install_version`` raises
 ``GatePoisoned`` until the lease is settled or written off
@@ -81,7 +81,7 @@ class Lease(msgspec.Struct, gc=False):
     cost the cyclic collector nothing.)
     """
 
-    gate: Scheduler
+    scheduler: Scheduler
     lease_id: int
     session_id: str | None
     request_id: str
@@ -102,17 +102,17 @@ class Lease(msgspec.Struct, gc=False):
     def settle(self, outcome: str, versions: Iterable[int] = ()) -> Receipt:
         """Settle with ``completed``, ``aborted`` or ``failed``; returns the receipt
         (for holders of an external lease: ``Engine.lease``)."""
-        self.gate.settle(self, outcome, versions)
-        return self.gate.receipt_of(self.lease_id)
+        self.scheduler.settle(self, outcome, versions)
+        return self.scheduler.receipt_of(self.lease_id)
 
     def mark_unknown(self, reason: str) -> None:
         """The outcome cannot be known: keep the lease, poisoning the gate."""
-        self.gate.mark_unknown(self, reason)
+        self.scheduler.mark_unknown(self, reason)
 
 
 _Settled = tuple[int, str, "str | None", "set[int] | None", str]
 """What a settled lease leaves: (lease id, request id, session id, versions, outcome). Not the
-Lease itself, which holds its gate: the receipts need none of that."""
+Lease itself, which holds its scheduler: the receipts need none of that."""
 
 
 def _receipt(settled: _Settled) -> Receipt:
@@ -134,7 +134,7 @@ _NOTHING = Admission((), (), ())
 
 
 class Scheduler:
-    """The FIFO, the admission rule and the lease ledger (the request gate)."""
+    """The FIFO, the admission rule, the lease ledger and the install gate (see the module docstring)."""
 
     def __init__(self, *, continuous: bool = True, version: int | None = 0, receipts_kept: int = 4096) -> None:
         self.continuous = continuous
@@ -328,7 +328,7 @@ class Scheduler:
         self._paused.clear()
         return leases
 
-    # -- the gate -------------------------------------------------------------
+    # -- the install gate: seal, drain, install, reopen ------------------------
 
     @property
     def sealed(self) -> bool:

@@ -168,7 +168,7 @@ class SubmissionAPI:
         return future
 
     def call_on_loop(self, fn: Callable[..., Any], *args: Any) -> RequestFuture[Any]:
-        """Run ``fn(*args)`` on the loop thread (where gate and leases live); thread-safe."""
+        """Run ``fn(*args)`` on the loop thread (where the scheduler and its leases live); thread-safe."""
         future: RequestFuture[Any] = RequestFuture(self._new_id("c"))
 
         def call() -> None:

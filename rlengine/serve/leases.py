@@ -1,4 +1,4 @@
-"""The session layer's turns in flight, each holding a gate lease: abandoning and aborting them.
+"""The session layer's turns in flight, each holding a lease of its replica's scheduler: abandoning and aborting them.
 
 Every turn is held here from submission to settlement (request id ->
 replica and session), and so is a chat turn whose prompt the render thread
@@ -103,7 +103,7 @@ class TurnLeases:
         """Every lease with an unknown outcome, on every replica (for operators)."""
         return [{"replica": replica, "lease_id": lease.lease_id, "session_id": lease.session_id,
                  "request_id": lease.request_id, "reason": lease.reason}
-                for replica, engine in enumerate(self.router.engines) for lease in engine.gate.unknown_leases()]
+                for replica, engine in enumerate(self.router.engines) for lease in engine.scheduler.unknown_leases()]
 
     def write_off_lease(self, replica: int, lease_id: int) -> RequestFuture[Any]:
         """An operator gives up on one unknown outcome now (a lease marked unknown by an embedder

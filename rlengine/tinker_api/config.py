@@ -1,7 +1,8 @@
 """``TinkerServerConfig``: how the Tinker API server listens, authenticates and bounds its tables.
 
-A frozen msgspec Struct validated on construction; a bad value raises
-``ConfigurationError`` naming the field. Every request carries an API key:
+A frozen msgspec Struct whose fields declare their limits
+(``rlengine.validation``); a bad value raises ``ConfigurationError`` naming
+the field and the value. Every request carries an API key:
 ``api_key`` (a shared secret), or by default one the server draws when it
 starts and writes to a 0600 file, since other users of a shared machine
 reach loopback too. ``no_auth`` accepts any key (each key then owns its own
@@ -11,12 +12,11 @@ module holds settings only.
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from rlengine.core.api_keys import check_auth
 from rlengine.errors import ConfigurationError
+from rlengine.validation import Port, PositiveFloat, PositiveInt, validate
 
 __all__ = ["TinkerServerConfig"]
 
@@ -25,7 +25,7 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Settings of the Tinker API server (every field has a working default)."""
 
     host: str = "127.0.0.1"
-    port: int = 0
+    port: Port = 0
     """0: any free port (the chosen one is in ``TinkerServer.url``)."""
     api_key: str | None = None
     """Shared secret every request must carry as ``X-API-Key`` (what the SDK sends from
@@ -41,48 +41,38 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     checkpoint_dir: str | None = None
     """Where ``save_state`` / named ``save_weights_for_sampler`` write; None:
     ``<rlengine cache>/tinker-checkpoints``."""
-    max_body_bytes: int = 64 << 20
-    poll_timeout_s: float = 20.0
+    max_body_bytes: PositiveInt = 64 << 20
+    poll_timeout_s: PositiveFloat = 20.0
     """Longest a ``retrieve_future(s)`` call waits before answering try-again (the SDK's own timeout is 45 s)."""
-    future_ttl_s: float = 900.0
+    future_ttl_s: PositiveFloat = 900.0
     """How long a settled result waits to be retrieved before it expires."""
-    max_futures: int = 100_000
+    max_futures: PositiveInt = 100_000
     """Requests held in the futures table; beyond it (all still in flight) new calls get 429."""
-    session_ttl_s: float = 300.0
+    session_ttl_s: PositiveFloat = 300.0
     """A session with no heartbeat for this long is finished and its models unloaded (the SDK beats every 10 s)."""
-    hold_timeout_s: float = 300.0
+    hold_timeout_s: PositiveFloat = 300.0
     """How long a call waits for an earlier ``seq_id`` of its model before it fails."""
-    max_models: int = 4
+    max_models: PositiveInt = 4
     """Training models alive at once (each holds its own trainer and optimizer state). A creation that finds
     them all taken evicts the model of a session silent for ``evict_after_s``, else waits up to that long for
     a slot to free, then fails."""
-    evict_after_s: float = 30.0
+    evict_after_s: PositiveFloat = 30.0
     """A model whose session has sent nothing (no heartbeat, no call) for this long gives its slot to a new
     model when all ``max_models`` are taken: its client most likely exited without ``close()`` (the SDK beats
     every 10 s while it runs)."""
-    sampler_snapshots_kept: int = 8
+    sampler_snapshots_kept: PositiveInt = 8
     """Sampler weight snapshots kept in memory (a LoRA adapter each, or a full copy for rank 0)."""
     sample_use_retrieve_futures: bool = False
     """Tell SDKs to learn of finished samples from one ``retrieve_futures`` long poll per
     sampling session instead of one ``retrieve_future`` poll per sample."""
-    sweep_interval_s: float = 5.0
+    sweep_interval_s: PositiveFloat = 5.0
     model_aliases: dict[str, str] = {}
     """Extra base-model names the server answers to, each -> the served model it stands for (the
     engine's model name or directory), e.g. ``{"Qwen/Qwen3-8B": "tiny"}`` for code that names a hub
     model; listed by ``get_server_capabilities``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_futures", "max_models", "sampler_snapshots_kept"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigurationError(f"{name}={v!r}: must be an integer >= 1")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ConfigurationError(f"port={self.port!r}: must be an integer in [0, 65535]")
-        for name in ("poll_timeout_s", "future_ttl_s", "session_ttl_s", "hold_timeout_s", "sweep_interval_s",
-                     "evict_after_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
-                raise ConfigurationError(f"{name}={v!r}: must be a finite number > 0")
+        validate(self, ConfigurationError)
         for alias, target in self.model_aliases.items():
             if not alias.strip() or not target.strip():
                 raise ConfigurationError(f"model_aliases[{alias!r}]={target!r}: alias and model must be "

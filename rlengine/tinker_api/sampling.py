@@ -133,7 +133,7 @@ class SamplerWeights:
         """Installs queued in the engine's FIFO and not yet settled, oldest first."""
         self.installs = 0
         # Version 0 is what the engine started with: the model directory's weights.
-        if engine.gate.version == 0:
+        if engine.scheduler.version == 0:
             self._loaded[0] = BASE
 
     def get(self, key: str) -> Snapshot:
@@ -177,7 +177,7 @@ class SamplerWeights:
 
     def loaded(self) -> Snapshot | None:
         """The snapshot the sampler holds now (None: unknown weights, e.g. an in-process install)."""
-        version = self.engine.gate.version
+        version = self.engine.scheduler.version
         return self._find(self._loaded.get(version) if version is not None else None)
 
     def upcoming(self) -> tuple[Snapshot | None, RequestFuture[int] | None]:
@@ -259,7 +259,7 @@ class SampleCall:
             snapshot, pending = weights.upcoming()
             if self.session.satisfied_by(snapshot):
                 self.expected = pending
-                version = None if pending is not None else weights.engine.gate.version
+                version = None if pending is not None else weights.engine.scheduler.version
             else:
                 self.expected = weights.queue_install(weights.target_of(self.session))
                 version = None

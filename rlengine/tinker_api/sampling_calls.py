@@ -96,7 +96,7 @@ class SamplingCalls:
         spec = self.engine.validate_sample(prompt, n, wire.sampling_params(body.sampling_params, sample_k),
                                            include_prompt_logprobs=want_lps, prompt_top_logprobs=prompt_k)
         last_n = body.prompt_logprobs_last_n
-        if last_n is not None and (not want_lps or not 1 <= last_n <= prompt.length - 1):
+        if last_n is not None and (not want_lps or last_n > prompt.length - 1):
             raise InvalidRequest("prompt_logprobs_last_n", last_n, f"needs prompt_logprobs and must be in "
                                  f"[1, {prompt.length - 1}]")
         if body.seq_id is not None and body.seq_id in ss.seen:
@@ -114,9 +114,8 @@ class SamplingCalls:
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
 
     def _top_k(self, field: str, k: int, most: int, what: str) -> int:
-        """A top-k width of the request: at most ``most`` (what the backend reports; 0: not supported)."""
-        if k < 0:
-            raise InvalidRequest(field, k, "must be >= 0 (0: none)")
+        """A top-k width of the request (>= 0, as ``SampleRequest`` declares): at most ``most`` (what the
+        backend reports; 0: not supported)."""
         if k and not most:
             raise NotSupported(field, k, f"the {self.engine.backend.name} backend reports no top-k logprobs "
                                f"of a {what}")

@@ -35,7 +35,8 @@ With ``no_auth`` (loopback only, see ``TinkerServerConfig``) any key is
 accepted and identifies the caller: sessions and all they own belong to the
 key that created them. Errors have the JSON shape of
 ``errors.error_response``, their statuses from ``rlengine.errors.WIRE``; an
-oversized body is a 413 naming the limit.
+oversized body is a 413 naming the limit, and a body refused while decoding
+a 400 naming the field (``lora_config.rank``) and the value sent.
 
 This module translates HTTP to ``TinkerService`` calls; it never creates a
 loop and never blocks the one it runs on (large protobuf bodies decode in a
@@ -48,6 +49,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -89,6 +91,29 @@ def _json_response(value: Any, status: int = 200) -> web.Response:
 def _owner(key: str) -> str:
     """Who a key is, without keeping the key: a digest."""
     return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+_AT = re.compile(r" - at `\$((?:\.\w+|\[\d+\]|\[\.\.\.\])+)`$")
+"""Where msgspec's message says a value was refused: ``$.a.b[0]``, ``[...]`` for a dict's key."""
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+
+
+def _refused_at(body: bytes, message: str) -> tuple[str, Any] | None:
+    """The field (``a.b[0]``) and the JSON value that msgspec's ``message`` refused in ``body``
+    (None for a path through a dict's key, which msgspec does not name); None when the message
+    names no field (the body itself is not an object)."""
+    at = _AT.search(message)
+    if at is None:
+        return None
+    path = at.group(1)
+    if "[...]" in path:
+        return path.lstrip("."), None
+    value: Any = msgspec.json.decode(body)  # valid JSON: the typed decoding got past the syntax
+    for key, index in _STEP.findall(path):
+        if not isinstance(value, dict if key else list):
+            return path.lstrip("."), None
+        value = value.get(key) if key else value[int(index)]
+    return path.lstrip("."), value
 
 
 class TinkerServer:
@@ -201,13 +226,19 @@ class TinkerServer:
     # -- helpers --------------------------------------------------------------------------
 
     def _decode(self, body: bytes, kind: type) -> Any:
+        """``body`` as a ``kind``, or ``InvalidRequest`` naming the field that refused it: the body's
+        own (``__post_init__``'s declared limits) as it raised it, msgspec's (a type, a literal) at the
+        path msgspec names, with the value found there."""
         decoder = self._decoders.get(kind)
         if decoder is None:
             decoder = self._decoders[kind] = msgspec.json.Decoder(kind)
         try:
             return decoder.decode(body)
         except msgspec.ValidationError as exc:
-            raise InvalidRequest("body", kind.__name__, str(exc)) from None
+            if isinstance(exc.__cause__, InvalidRequest):
+                raise exc.__cause__ from None
+            field, value = _refused_at(body, str(exc)) or ("body", kind.__name__)
+            raise InvalidRequest(field, value, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidRequest("body", "malformed JSON", str(exc)) from None
 

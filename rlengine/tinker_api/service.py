@@ -41,7 +41,6 @@ import time
 from typing import Any
 
 from rlengine.core.engine import Engine
-from rlengine.errors import InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api import wire
 from rlengine.tinker_api.config import TinkerServerConfig
@@ -176,8 +175,6 @@ class TinkerService:
         self.registry.check_base_model("base_model", body.base_model)
         if body.optimizer_config is not None:
             wire.check_optimizer("optimizer_config.type", body.optimizer_config.type)
-        if body.lora_config is not None and (isinstance(body.lora_config.rank, bool) or body.lora_config.rank < 0):
-            raise InvalidRequest("lora_config.rank", body.lora_config.rank, "must be >= 0 (0: full fine-tuning)")
         lora = self._lora_spec(body.lora_config)
         model = self.registry.new_model(owner, session, body.model_seq_id, body.base_model, lora, body.user_metadata)
         entry = self.futures.add("create", owner, render_json)

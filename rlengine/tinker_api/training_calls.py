@@ -145,8 +145,6 @@ class TrainingCalls:
     def save_weights_for_sampler(self, owner: str, body: wire.SaveWeightsForSamplerRequest) -> dict[str, Any]:
         model = self.registry.model(owner, body.model_id)
         session = self.registry.session(owner, model.session_id)
-        if body.kind not in ("snapshot", "inflight"):
-            raise InvalidRequest("kind", body.kind, "must be 'snapshot' or 'inflight'")
         path = None if body.path is None else ckpt.tinker_path(model.model_id, "sampler_weights", body.path)
         if path is None and body.sampling_session_seq_id is None:
             raise InvalidRequest("sampling_session_seq_id", None, "is required when no path is given")

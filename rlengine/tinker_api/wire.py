@@ -2,11 +2,18 @@
 
 Each request body the server accepts has a Struct here, with the fields
 rlengine reads; unknown fields are ignored (newer SDKs add some), and a
-missing or mistyped field fails decoding with a message naming it. The
-converters turn wire values into rlengine's own types (``ModelInput``,
-``SamplingParams``, ``Datum``, ``AdamParams``), raising ``InvalidRequest``
-(or ``NotSupported`` for features rlengine lacks, such as image chunks) with
-the field path.
+missing or mistyped field fails decoding with a message naming it. A body
+whose fields declare limits (``NonNegativeInt``, a ``Literal``: see
+``rlengine.validation``) checks them on construction and decoding, raising
+``InvalidRequest`` naming the field and value. Limits that another type
+already declares are left to it: ``SamplingParamsWire`` and
+``AdamParamsWire`` become ``SamplingParams`` and ``AdamParams``, which check
+their own fields; a tensor's ``dtype`` is checked by ``datum``, whose error
+names the tensor's key in ``loss_fn_inputs`` (msgspec's path would show
+``[...]`` there). The converters turn wire values into rlengine's own types
+(``ModelInput``, ``SamplingParams``, ``Datum``, ``AdamParams``), raising
+``InvalidRequest`` (or ``NotSupported`` for features rlengine lacks, such as
+image chunks) with the field path.
 
 Results go out as JSON through ``sample_response_json`` and
 ``forward_backward_json`` when a client does not ask for protobuf (the SDK
@@ -17,7 +24,7 @@ the engine.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
@@ -35,6 +42,7 @@ from rlengine.types import (
     TensorData,
     int32_bytes,
 )
+from rlengine.validation import NonNegativeInt, PositiveInt, validate
 
 __all__ = [
     "AdamParamsWire", "CancelFutureRequest", "ClientConfigRequest", "CreateModelRequest",
@@ -47,7 +55,17 @@ __all__ = [
 
 
 class _Body(msgspec.Struct, kw_only=True, frozen=True):
-    """A request body: unknown fields are ignored, known ones are type-checked."""
+    """A request body: unknown fields are ignored, known ones are type-checked (by msgspec, while decoding)."""
+
+
+class _Checked(_Body):
+    """A body whose fields declare limits, checked on construction and decoding: ``InvalidRequest``
+    naming the field (after ``_prefix``: where the body sits in its request) and the value."""
+
+    _prefix: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        validate(self, InvalidRequest, self._prefix)
 
 
 class ClientConfigRequest(_Body):
@@ -77,8 +95,12 @@ class JoinSamplingSessionRequest(_Body):
     sampling_session_id: str
 
 
-class LoraConfigWire(_Body):
-    rank: int
+class LoraConfigWire(_Checked):
+    """``CreateModelRequest.lora_config``, its only place."""
+
+    _prefix: ClassVar[str] = "lora_config."
+    rank: NonNegativeInt
+    """0: full fine-tuning."""
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True
@@ -133,11 +155,11 @@ class SaveWeightsRequest(_Body):
     user_metadata: dict[str, str] | None = None
 
 
-class SaveWeightsForSamplerRequest(_Body):
+class SaveWeightsForSamplerRequest(_Checked):
     model_id: str
     path: str | None = None
     sampling_session_seq_id: int | None = None
-    kind: str = "snapshot"
+    kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = None
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
@@ -185,20 +207,23 @@ class SamplingParamsWire(_Body):
     top_p: float = 1.0
 
 
-class SampleRequest(_Body):
+class SampleRequest(_Checked):
     prompt: ModelInputWire
     sampling_params: SamplingParamsWire
-    num_samples: int = 1
+    num_samples: PositiveInt = 1
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
     seq_id: int | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: NonNegativeInt = 0
+    """0: none; at most what the backend reports (checked against it by ``SamplingCalls``)."""
+    topk_sample_logprobs: NonNegativeInt = 0
     target_prompt_logprobs: Any = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_alt_tokens_k: NonNegativeInt = 0
+    """Not supported beyond 0."""
+    prompt_logprobs_last_n: PositiveInt | None = None
+    """At most the prompt's length - 1 (checked against it by ``SamplingCalls``)."""
     record_stability_info: bool | None = None
 
 

@@ -1,4 +1,4 @@
-"""The engine's scheduling semantics: continuous sampling, drain ordering, the gate.
+"""The engine's scheduling semantics: continuous sampling, drain ordering, the install gate.
 
 Written once and parametrized over backends (``engine_config``): every backend
 must give the same continuous-sampling semantics. Generation lengths are set by
@@ -59,7 +59,14 @@ def on_loop_order(futures: dict[str, rle.RequestFuture]) -> list[str]:
 
 
 def loaded(engine: rle.Engine) -> int:
-    return engine.call_on_loop(lambda: engine.gate.version).result(WAIT)
+    return engine.call_on_loop(lambda: engine.scheduler.version).result(WAIT)
+
+
+def test_the_scheduler_is_the_engines_one_name_for_it_and_gate_a_deprecated_alias(engine):
+    scheduler = engine.scheduler
+    assert loaded(engine) == engine.call_on_loop(lambda: scheduler.version).result(WAIT)
+    with pytest.warns(DeprecationWarning, match="Engine.gate is deprecated: use Engine.scheduler"):
+        assert engine.gate is scheduler
 
 
 def test_sample_returns_sequences_with_versions(engine):
@@ -161,7 +168,7 @@ def test_no_starvation_either_way(engine):
         versions, probes = [], []
         for _ in range(4):
             # A sample queued before the training round runs before it, at the
-            # current version, however busy the gate is with blocking work.
+            # current version, however busy the scheduler is with blocking work.
             probes.append(s.sample(prompt(), 1, params(3)))
             t.forward_backward([datum()]).result(WAIT)
             t.optim_step(rle.AdamParams(learning_rate=0.05)).result(WAIT)
@@ -207,7 +214,7 @@ def test_unload_then_requests_fail_without_bring_up(engine):
     assert s.sample(prompt(), 1, params(2)).result(WAIT).sequences[0].versions == [v + 1] * 2
 
 
-# -- the gate: external leases, drain deadline --------------------------------------------
+# -- the install gate: external leases, drain deadline ------------------------------------
 
 
 def test_external_lease_holds_an_install_until_settled(engine):

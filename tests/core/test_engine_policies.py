@@ -165,5 +165,5 @@ def test_unknown_outcome_poisons_installs_until_written_off():
         receipt = engine.write_off(lease_id).result(WAIT)
         assert receipt.outcome == "written_off" and receipt.session_id == "agent-13"
         assert t.save_weights_for_sampler().result(WAIT).version == 1
-        completed = [r for r in engine.gate.receipts if r.session_id == "fine"]
+        completed = [r for r in engine.scheduler.receipts if r.session_id == "fine"]
         assert completed[0].outcome == "completed" and completed[0].versions == [0]

@@ -228,7 +228,7 @@ def test_admission_builds_what_the_backend_request_helper_builds(n, max_tokens, 
         spec = SampleSpec(array("i", range(1, prompt_len + 1)).tobytes(), n,
                           rle.SamplingParams(max_tokens=max_tokens, seed=seed), logprobs)
         request = new_sample("s1", spec, None, None, (lambda *a: None) if streaming else None, lambda rid: None)
-        sampler.gate.submit(request)
+        sampler.scheduler.submit(request)
         sampler._admit()
         assert request.lease is not None and request.remaining == n and len(request.seqs) == n
         assert [r.request_id for r in sampler._to_add] == (["s1"] if n == 1 else [f"s1.{i}" for i in range(n)])

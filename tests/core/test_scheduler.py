@@ -1,4 +1,4 @@
-"""rlengine.core.scheduler: the FIFO admission rule and the lease ledger (request gate).
+"""rlengine.core.scheduler: the FIFO admission rule, the lease ledger and the install gate.
 
 Pure state, no engine: the scheduler sees queued work only through
 ``Queued`` (request id, version, session, blocking), so plain tickets stand

@@ -350,7 +350,7 @@ def test_in_flight_turns_per_connection_are_bounded(served):
         raw.close()
 
 
-# -- the gate ---------------------------------------------------------------------------------
+# -- leases and the install gate --------------------------------------------------------------
 
 
 def test_a_client_killed_mid_generation_leaves_an_aborted_turn_and_installs_go_on(served):
@@ -366,7 +366,7 @@ def test_a_client_killed_mid_generation_leaves_an_aborted_turn_and_installs_go_o
     deadline = time.monotonic() + WAIT
     while served.on_loop(lambda: served.sessions.in_flight) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert served.on_loop(lambda: served.engines[0].gate.unknown_leases()) == []
+    assert served.on_loop(lambda: served.engines[0].scheduler.unknown_leases()) == []
     assert served.install(seed=5) >= 1  # weight installs were never blocked
     assert trace_len(served, sid) == 0  # nothing recorded for the aborted turn
     with Client(served.ipc_path, timeout=WAIT) as c:  # and the session goes on

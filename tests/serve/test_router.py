@@ -3,7 +3,7 @@
 Replicas are several sim ``Engine``s started in async mode on the server's
 one loop, each with its own compute thread, as ``rlengine serve
 replicas=N`` runs them. Which replica served a turn is read from each
-engine's gate receipts (every session turn holds a lease there).
+engine's scheduler receipts (every session turn holds a lease there).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def open_sessions(served, n):
 
 
 def served_by(served) -> list[set[str]]:
-    """Per replica: the session ids whose turns its gate admitted."""
-    return served.on_loop(lambda: [{r.session_id for r in e.gate.receipts if r.session_id} for e in served.engines])
+    """Per replica: the session ids whose turns its scheduler admitted."""
+    return served.on_loop(lambda: [{r.session_id for r in e.scheduler.receipts if r.session_id} for e in served.engines])
 
 
 def test_replicas_share_the_servers_loop_with_their_own_compute_threads(replicas):

@@ -1,4 +1,4 @@
-"""Exact trace capture and gate integration of agent sessions (rlengine.serve.sessions, render).
+"""Exact trace capture and install-gate integration of agent sessions (rlengine.serve.sessions, render).
 
 The capture rules do not depend on the model: the prompt of turn k is the
 stored path (earlier prompts + the exact sampled tokens) plus only the newly
@@ -150,7 +150,7 @@ def test_the_prompt_of_turn_k_is_the_stored_path_plus_the_rendered_suffix(captur
                                        + [1] * len(t2.choices[0].tokens))
     lps = traj.logprobs.tolist()
     assert np.allclose(lps[len(prompt1):len(prompt1) + len(sampled1)], t1.choices[0].logprobs)
-    receipts = tiny.on_loop(lambda: [r for r in tiny.engines[0].gate.receipts if r.session_id == sid])
+    receipts = tiny.on_loop(lambda: [r for r in tiny.engines[0].scheduler.receipts if r.session_id == sid])
     assert len(receipts) == 2 and all(r.outcome == "completed" for r in receipts)  # each turn held a lease
 
 
@@ -233,7 +233,7 @@ def test_generate_keeps_the_stored_prefix_and_stores_only_new_tokens(capture):
     assert [s.kind for s in traj.segments] == ["prompt", "sampled", "environment", "sampled"]
 
 
-# -- the gate (sim) ------------------------------------------------------------------------------
+# -- leases and the install gate (sim) ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +351,7 @@ def test_on_tokens_streams_each_sequence_before_it_finishes(sim):
 
     def on_tokens(index, ids, lps, version):
         seen.append((index, len(ids), box["f"].done()))
-        assert len(ids) == len(lps) and version == engine.gate.version  # runs on the loop thread
+        assert len(ids) == len(lps) and version == engine.scheduler.version  # runs on the loop thread
 
     def submit():
         box["f"] = engine.sample([1, 2], 2, rle.SamplingParams(max_tokens=5), on_tokens=on_tokens)
@@ -372,15 +372,15 @@ def test_abandoning_a_request_that_never_started_poisons_nothing(sim):
     assert queued.result(WAIT).sequences[0].stop_reason == "abort"
     gate_open.set()
     blocker.result(WAIT)
-    assert sim.on_loop(engine.gate.unknown_leases) == []
+    assert sim.on_loop(engine.scheduler.unknown_leases) == []
     running = engine.sample([1], 1, rle.SamplingParams(max_tokens=100_000))
     time.sleep(0.05)
     lease_id = engine.abandon(running.request_id, "client gone").result(WAIT)
     assert isinstance(lease_id, int) and running.result(WAIT).sequences[0].stop_reason == "abort"
-    [lease] = sim.on_loop(engine.gate.unknown_leases)
+    [lease] = sim.on_loop(engine.scheduler.unknown_leases)
     assert lease.lease_id == lease_id and lease.reason == "client gone"
     engine.write_off(lease_id).result(WAIT)
-    assert sim.on_loop(engine.gate.unknown_leases) == []
+    assert sim.on_loop(engine.scheduler.unknown_leases) == []
 
 
 def test_recording_a_turn_runs_outside_the_samplers_settlement_chain(sim):

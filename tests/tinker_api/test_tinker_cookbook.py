@@ -155,8 +155,8 @@ def test_cookbook_rl_train_runs_against_the_local_server(server, tmp_path, mode,
     monkeypatch.setenv("TINKER_API_KEY", srv.api_key)  # the key the server drew: the cookbook reads it from here
     async_config = train.AsyncConfig(max_steps_off_policy=2, groups_per_batch=GROUPS_PER_BATCH) \
         if mode == "async" else None
-    before = engine.gate.version
+    before = engine.scheduler.version
     metrics = _run(engine, srv.url, str(tmp_path / mode), async_config)
     _check(metrics, str(tmp_path / mode), max_off_policy=2 if mode == "async" else 0)
     # Each step's weights reached the sampler through the gate as a new policy version.
-    assert engine.gate.version is not None and engine.gate.version >= (before or 0) + STEPS
+    assert engine.scheduler.version is not None and engine.scheduler.version >= (before or 0) + STEPS
