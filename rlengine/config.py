@@ -172,7 +172,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Context length; None takes the model's own."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     cache_dir: str | None = None
-    """Where ``model="tiny"`` is built once; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
+    """Where ``model="tiny"`` is built, and a ``.gguf`` model converted, once; None: ``$RLENGINE_CACHE`` or
+    ``~/.cache/rlengine``."""
     model_args: dict[str, object] = msgspec.field(default_factory=dict)
     """Build parameters of ``model="tiny"`` (``TINY_DEFAULTS``), e.g.
     ``{"max_position_embeddings": 16384}`` for a context that holds an agent's prompt; each set of
@@ -199,7 +200,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         validate(self, ConfigurationError)
         # Below: a name's meaning and the rules between fields, which a field's type cannot say.
         if not isinstance(self.model, str) or not self.model:
-            raise ConfigurationError(f"model={self.model!r}: must be 'tiny' or a local model directory")
+            raise ConfigurationError(f"model={self.model!r}: must be 'tiny', a local model directory, a .gguf file "
+                                     "or a hub id in the local Hugging Face cache")
         if self.model_args:
             if self.model != "tiny":
                 raise ConfigurationError(f"model_args={self.model_args!r}: build parameters of model='tiny' only "

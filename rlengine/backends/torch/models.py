@@ -16,8 +16,18 @@ directory, which ``EngineConfig(model=...)`` takes like any local model.
 ``prepare(config)`` resolves ``EngineConfig.model`` to a directory: ``"tiny"``
 is built once into a cache directory keyed by its build parameters (built in
 a temporary directory and renamed into place, so concurrent builders never
-see or leave a half-written model); a local directory holding a
-``config.json`` is used as it is; anything else is a ``ConfigurationError``.
+see or leave a half-written model); any other name goes through ``resolve``:
+
+* a local directory holding a ``config.json`` is used as it is;
+* a ``.gguf`` file is converted once, with transformers' GGUF loader (the
+  ``gguf`` package, ``rlengine[gguf]``), into a Hugging Face directory in the
+  cache keyed by the file's digest, so the backend (torch or vLLM) and the
+  trainer load the same dequantized float32 weights and the same tokenizer;
+* a hub id (``org/name``) is looked up in the local Hugging Face cache only;
+  anything else is a ``ConfigurationError`` naming the value.
+
+``describe(path)`` reads what a recipe checks before it starts: the context
+length and the end-of-sequence tokens the backends stop at.
 
 This module never reaches the network: every load passes
 ``local_files_only=True``. It does not run models; the backend and the
@@ -31,16 +41,18 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlengine.config import TINY_DEFAULTS
 from rlengine.errors import ConfigurationError
 
-__all__ = ["CHAR_DEFAULTS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_DEFAULTS", "build_char_model", "build_tiny",
-           "cache_root", "load_tokenizer", "prepare", "prepare_char_model", "tiny_dir_name"]
+__all__ = ["CHAR_DEFAULTS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_DEFAULTS", "ModelFacts", "build_char_model",
+           "build_tiny", "cache_root", "describe", "load_tokenizer", "prepare", "prepare_char_model", "resolve",
+           "tiny_dir_name"]
 
 # The special tokens of the tiny tokenizer, with ids 0, 1, 2 (Qwen's names:
 # vLLM and chat tooling recognise them).
@@ -394,13 +406,120 @@ def prepare(config: Any) -> str:
     model = config.model
     if model == "tiny":
         return _build_cached(cache_root(config), **dict(getattr(config, "model_args", None) or {}))
+    return resolve(model, cache_root(config))
+
+
+# -- models given by path, GGUF file or hub id ---------------------------------------------
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""A Hugging Face repo id, ``org/name`` (what is not an existing path and looks like this)."""
+
+
+def resolve(model: str, root: str, field: str = "model") -> str:
+    """``model`` (a Hugging Face directory, a ``.gguf`` file or a hub id in the local cache) as a
+    local Hugging Face directory; GGUF files are converted once into ``root/models``. Errors name
+    ``field`` and the value."""
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ConfigurationError(f"model={model!r}: the directory has no config.json (not a Hugging Face "
+            raise ConfigurationError(f"{field}={model!r}: the directory has no config.json (not a Hugging Face "
                                      "model directory)")
         return os.path.abspath(model)
-    raise ConfigurationError(f"model={model!r}: must be 'tiny' or a local model directory (no such directory; "
-                             "rlengine never downloads models)")
+    if model.lower().endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ConfigurationError(f"{field}={model!r}: no such GGUF file")
+        return _convert_gguf(os.path.abspath(model), root, field)
+    if _HUB_ID.fullmatch(model) and not os.path.exists(model):
+        return _from_hub_cache(model, field)
+    raise ConfigurationError(f"{field}={model!r}: not 'tiny', a local model directory, a .gguf file nor a hub id "
+                             "('org/name') (no such directory; rlengine never downloads models)")
+
+
+def _from_hub_cache(repo_id: str, field: str) -> str:
+    """The snapshot of ``repo_id`` in the local Hugging Face cache; never a download."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise ConfigurationError(
+            f"{field}={repo_id!r}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); rlengine never "
+            f"downloads models: fetch it once with `hf download {repo_id}` (or give a local directory or "
+            ".gguf file)") from None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigurationError(f"{field}={repo_id!r}: its cached snapshot {path} has no config.json (not a "
+                                 "transformers model; for a GGUF repo give the .gguf file's path)")
+    return path
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(file: str, root: str, field: str) -> str:
+    """The Hugging Face directory of a GGUF file, converted once per content (its sha256)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigurationError(f"{field}={file!r}: reading a GGUF file needs the gguf package: "
+                                 "pip install 'rlengine[gguf]'")
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(file)[:-len(".gguf")])[:48]
+    digest = _file_digest(file)
+    return _build_once(root, f"gguf-{stem}-{digest[:16]}", lambda path: _gguf_to_hf(file, digest, path, field))
+
+
+def _gguf_to_hf(file: str, digest: str, path: str, field: str) -> None:
+    """Dequantize ``file`` with transformers into ``path`` (model, tokenizer, generation config)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.split(file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, local_files_only=True,
+                                                     dtype=torch.float32)
+    except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
+        raise ConfigurationError(f"{field}={file!r}: transformers cannot load this GGUF file: {exc}") from None
+    # The loader dequantized every tensor to float32 but leaves the model marked as GGUF-quantized,
+    # which save_pretrained refuses; what is saved is a plain float32 checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "rlengine_build.json"), "w", encoding="utf-8") as f:
+        json.dump({"builder": "rlengine.backends.torch.models.resolve", "format": _BUILD_FORMAT,
+                   "gguf_file": file, "sha256": digest}, f, indent=2, sort_keys=True)
+
+
+class ModelFacts(NamedTuple):
+    """What a recipe checks of a model directory before it starts."""
+
+    context: int | None
+    """``max_position_embeddings`` (what the torch backend and trainer take as the context); None: unknown."""
+    eos_ids: frozenset[int]
+    """The end-of-sequence tokens of ``config.json`` and ``generation_config.json`` (where the backends stop)."""
+
+
+def describe(path: str) -> ModelFacts:
+    """The context length and end tokens of the model directory ``path``, read from its json files."""
+    ids: set[int] = set()
+    context = None
+    for name in ("config.json", "generation_config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                cfg = json.load(f)
+        except FileNotFoundError:
+            continue
+        eos = cfg.get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else [int(e) for e in eos or ()])
+        if name == "config.json":
+            context = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    return ModelFacts(int(context) if context else None, frozenset(ids))
 
 
 # -- tokenizer ------------------------------------------------------------------

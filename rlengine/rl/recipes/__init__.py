@@ -22,6 +22,13 @@ A recipe whose environments need something running beside the engine (a
 server, sandbox processes) provides it in ``attach``, entered once the
 engine runs and left before it closes.
 
+``model=`` (``TrainConfig.model``) puts a model of the user's in place of a
+recipe's own: ``given_model`` resolves it once (a Hugging Face directory, a
+``.gguf`` file converted into the cache, a hub id from the local cache) and
+loads its tokenizer; each recipe encodes its prompts with that tokenizer and
+checks what it needs of the model (``GivenModel.check_context`` and its own
+checks), refusing with a ``ConfigurationError`` that names the model.
+
 This module must not run anything.
 """
 
@@ -29,7 +36,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import importlib
+import os
 from typing import Any, ClassVar
 
 import msgspec
@@ -40,7 +49,8 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["BUILTIN", "DigitTasks", "EveryDigit", "Recipe", "SeededBatches", "TaskGroup", "load_recipe"]
+__all__ = ["BUILTIN", "DigitTasks", "EveryDigit", "GivenModel", "Recipe", "SeededBatches", "TaskGroup", "given_model",
+           "load_recipe"]
 
 BUILTIN: dict[str, str] = {
     "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
@@ -61,6 +71,20 @@ class Recipe(abc.ABC):
     defaults: ClassVar[dict[str, Any]] = {}
     """``TrainConfig`` settings this recipe starts from."""
     Options: ClassVar[type[msgspec.Struct]] = NoOptions
+    requires: ClassVar[dict[str, str]] = {}
+    """Modules the recipe needs beyond the base install -> the extra that brings them
+    (``{"httpx": "agents"}``); ``check_requires`` imports each (``rlengine train`` calls it
+    before anything starts)."""
+
+    def check_requires(self) -> None:
+        """A ``ConfigurationError`` naming the first module of ``requires`` that does not import,
+        and the extra to install."""
+        for module, extra in self.requires.items():
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigurationError(f"recipe {self.name!r} needs the module {module!r} ({exc}): "
+                                         f"pip install 'rlengine[{extra}]'") from None
 
     @abc.abstractmethod
     def engine_config(self, config: TrainConfig, options: Any) -> EngineConfig:
@@ -74,6 +98,61 @@ class Recipe(abc.ABC):
                eval_dataset: RLDataset | None) -> contextlib.AbstractAsyncContextManager[Any]:
         """What the environments need beside the running engine, for the run (default: nothing)."""
         return contextlib.nullcontext()
+
+
+class GivenModel:
+    """A model given with ``model=``: its local directory, tokenizer, context and end tokens."""
+
+    def __init__(self, name: str, path: str, tokenizer: Any, context: int | None, eos_ids: frozenset[int]) -> None:
+        self.name = name
+        self.path = path
+        self.tokenizer = tokenizer
+        self.context = context
+        self.eos_ids = eos_ids
+
+    def refuse(self, reason: str) -> ConfigurationError:
+        return ConfigurationError(f"model={self.name!r}: {reason}")
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """``text``'s token ids; ``special``: with the tokens the tokenizer adds to a whole input (a BOS)."""
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def check_context(self, need: int, what: str) -> None:
+        """Refuse when ``need`` tokens (``what``: the recipe's longest sequence) exceed the context."""
+        if self.context is not None and need > self.context:
+            raise self.refuse(f"its context of {self.context} tokens cannot hold {what} ({need} tokens)")
+
+    def engine_config(self, config: TrainConfig) -> EngineConfig:
+        return EngineConfig(model=self.path, backend=config.backend, cache_dir=config.cache_dir)
+
+
+def given_model(config: TrainConfig, recipe: str) -> GivenModel | None:
+    """``config.model`` resolved and its tokenizer loaded (None: the recipe's own model); once per
+    model and cache (a recipe asks in ``datasets`` and again in ``engine_config``)."""
+    if config.model is None:
+        return None
+    if config.backend == "sim":
+        raise ConfigurationError(f"backend='sim': the {recipe} recipe needs a model backend (torch or vllm)")
+    return _given(config.model, config.cache_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _given(model: str, cache_dir: str | None) -> GivenModel:
+    from rlengine.backends.torch.models import cache_root, describe, load_tokenizer, resolve
+
+    path = resolve(model, cache_root(None) if cache_dir is None else os.path.abspath(cache_dir))
+    # transformers makes an empty tokenizer for a directory without tokenizer files: look first.
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    found = [f for f in files if os.path.isfile(os.path.join(path, f))]
+    try:
+        if not found:
+            raise OSError(f"none of {', '.join(files)}")
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"model={model!r}: no tokenizer loads from {path} ({exc}); the recipe encodes "
+                                 "its prompts with the model's tokenizer") from None
+    facts = describe(path)
+    return GivenModel(model, path, tokenizer, facts.context, facts.eos_ids)
 
 
 class SeededBatches(RLDataset):

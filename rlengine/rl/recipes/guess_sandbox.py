@@ -10,6 +10,10 @@ one token, a guess; the game answers ``<`` (the secret is smaller) or ``>``
 token that is not a digit ends the game. The reward, sent through the
 session: 1.0 when the secret was found, else 0.0.
 
+With ``model=`` the recipe puts the model's own tokens for the game's
+symbols in the task (``"symbols"``: the prompt, ``<``, ``>`` and the ten
+digits, each digit one token); without, they are the character model's.
+
 A job with ``"crash_at_turn": k`` makes the game's process exit abruptly
 before turn ``k`` (fault injection: the worker dies with its games in
 flight; replayed in quarantine, this game crashes again, alone, and fails as
@@ -39,9 +43,13 @@ def digit(token: int) -> int | None:
     return token - 1 if 1 <= token <= 10 else None
 
 
-def answer(secret: int, guess: int) -> int:
-    """The game's reply token to a wrong guess."""
-    return LOWER if secret < guess else HIGHER
+def symbols(task: dict[str, Any]) -> tuple[list[int], list[int], list[int], dict[int, int]]:
+    """The game's tokens: the prompt, ``<``, ``>``, and each digit's token -> the digit."""
+    given = task.get("symbols")
+    if given is None:
+        return [START], [LOWER], [HIGHER], {t: d for t in range(1, 11) if (d := digit(t)) is not None}
+    return (list(given["start"]), list(given["lower"]), list(given["higher"]),
+            {int(t): d for d, t in enumerate(given["digits"])})
 
 
 async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +57,8 @@ async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
     task = job["task"]
     secret, crash_at, think_s = int(task["secret"]), task.get("crash_at_turn"), float(task.get("think_s", 0.0))
     sampling = job["sampling"]
-    tokens = [START]
+    start, lower, higher, digits = symbols(task)
+    tokens = list(start)
     found = invalid = False
     turns = 0
     for turn in range(int(job["max_turns"])):
@@ -63,14 +72,14 @@ async def play(client: Any, job: dict[str, Any]) -> dict[str, Any]:
         got = reply.choices[0].tokens
         tokens.extend(got)
         turns += 1
-        guess = digit(got[0]) if len(got) == 1 else None
+        guess = digits.get(got[0]) if len(got) == 1 else None
         if guess is None:
             invalid = True
             break
         if guess == secret:
             found = True
             break
-        tokens.append(answer(secret, guess))
+        tokens.extend(lower if secret < guess else higher)
     await session.reward(1.0 if found else 0.0)
     await session.close()
     return {"metrics": {"found": float(found), "turns": float(turns), "invalid": float(invalid)}}

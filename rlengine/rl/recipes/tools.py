@@ -34,6 +34,14 @@ near 1 to near 0 twice and was at 0.08 after 51 steps; without, it reached
 0.84 at step 61, one such drop recovered within 3 steps). Two sandbox
 workers play the episodes concurrently.
 
+With ``model=`` the agent is the same; the user asks ``QUESTION`` in words,
+the given model's chat template renders the conversation (it must write the
+tools it is offered), its tool calls are read by ``tool_parser`` (None: the
+one its template writes, e.g. ``hermes``) and a turn may take ``max_tokens``
+tokens (more than one: a call is a few dozen). The recipe refuses a model
+without a chat template, one whose template drops the tools, or one whose
+context cannot hold a call, its result and an answer.
+
 ``crash_every`` > 0 is fault injection: every n-th episode's agent exits
 mid-game; its attempt fails (``crash``), is left out of its group's
 advantages, and the run goes on.
@@ -42,7 +50,6 @@ advantages, and the run goes on.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
@@ -53,12 +60,13 @@ from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import HttpAgentEnv
-from rlengine.rl.config import TrainConfig, check_integer, check_number
-from rlengine.rl.recipes import DigitTasks, EveryDigit, Recipe
-from rlengine.rl.recipes.tools_agent import ALPHABET, TOOL
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.recipes import DigitTasks, EveryDigit, GivenModel, Recipe, given_model
+from rlengine.rl.recipes.tools_agent import ALPHABET, QUESTION, TOOL, TOOLS
 from rlengine.rl.sandbox import SandboxPool
 from rlengine.rl.types import AgentEnv, RLDataset
-from rlengine.tool_parsers import ParsedTurn, ToolCall, new_call_id, register
+from rlengine.tool_parsers import PARSERS, ParsedTurn, ToolCall, new_call_id, parser_for, register
+from rlengine.validation import NonNegativeInt, PositiveFloat, PositiveInt, validate
 
 __all__ = ["ALPHABET", "CHAT_TEMPLATE", "RECIPE", "MeterCalls", "ToolsOptions", "ToolsRecipe"]
 
@@ -110,28 +118,29 @@ register(MeterCalls.name, MeterCalls)
 
 
 class ToolsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    sandboxes: int = 2
+    sandboxes: PositiveInt = 2
     """Sandbox worker processes (each plays many episodes at once)."""
-    job_timeout_s: float = 60.0
+    job_timeout_s: PositiveFloat = 60.0
     """The sandbox's bound on one episode (exceeds the rollout deadline)."""
-    deadline_s: float | None = None
+    deadline_s: PositiveFloat | None = None
     """The rollout deadline of one episode; None: 0.9 of ``job_timeout_s``."""
-    crash_every: int = 0
+    crash_every: NonNegativeInt = 0
     """Fault injection: every n-th episode's agent exits mid-game (0: never)."""
+    tool_parser: str | None = None
+    """How the model writes tool calls (``rlengine.tool_parsers``); None: ``meter`` for the recipe's
+    own model, the format the chat template writes with ``model=``."""
 
     def __post_init__(self) -> None:
-        check_integer("sandboxes", self.sandboxes, minimum=1)
-        check_integer("crash_every", self.crash_every, minimum=0)
-        check_number("job_timeout_s", self.job_timeout_s, minimum=0.0, exclusive=True)
-        if self.deadline_s is not None:
-            check_number("deadline_s", self.deadline_s, minimum=0.0, exclusive=True)
+        validate(self, ConfigurationError)
 
 
 class _World:
     """What the environments reach at run time: the server and the sandbox pool."""
 
-    def __init__(self, options: ToolsOptions) -> None:
+    def __init__(self, options: ToolsOptions, tool_parser: str, question: str | None) -> None:
         self.options = options
+        self.tool_parser = tool_parser
+        self.question = question
         self.pool: SandboxPool | None = None
         self.server: Any = None
         self._episodes = 0
@@ -141,11 +150,45 @@ class _World:
             raise RuntimeError("the tools recipe's sandboxes are not running (Recipe.attach was not entered)")
         self._episodes += 1
         task: dict[str, Any] = {"reading": reading}
+        if self.question is not None:
+            task["question"] = self.question
         every = self.options.crash_every
         if every and self._episodes % every == 0:
             task["crash"] = True
         return HttpAgentEnv(self.pool, self.server, task, metadata={"reading": reading, "group": group},
                             deadline_s=self.options.deadline_s)
+
+
+def fit_model(model: GivenModel, config: TrainConfig, options: ToolsOptions) -> str:
+    """The tool parser for ``model``, once its chat template and context are checked to fit the agent."""
+    if config.max_tokens == 1:
+        raise ConfigurationError(f"max_tokens={config.max_tokens}: with model={model.name!r} a turn is text and a "
+                                 "tool call takes more than one token (e.g. max_tokens=64)")
+    template = getattr(model.tokenizer, "chat_template", None)
+    if not template:
+        raise model.refuse("has no chat template; the tools recipe's agent talks to it in chat messages")
+    call = {"id": "call_0", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
+    episode = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_0", "content": "7"}]
+    from jinja2 import TemplateError
+
+    try:
+        rendered = model.tokenizer.apply_chat_template(episode, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    except (TemplateError, ValueError, TypeError) as exc:
+        raise model.refuse(f"its chat template cannot render a tool call and its result: {exc}") from None
+    if TOOLS[0]["function"]["description"] not in rendered:
+        raise model.refuse(f"its chat template does not write the tools it is offered ({TOOL!r}'s description is "
+                           "not in the rendered conversation); the tools recipe's agent must see tools=[read_meter]")
+    try:
+        parser = parser_for(template, options.tool_parser)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    if parser is None:
+        raise model.refuse(f"its chat template writes no tool-call format rlengine reads; set tool_parser=NAME "
+                           f"(known: {', '.join(sorted(PARSERS))})")
+    model.check_context(len(model.encode(rendered)) + config.max_tokens,
+                        f"a tool call, its result and an answer of max_tokens={config.max_tokens}")
+    return parser.name
 
 
 class ToolsRecipe(Recipe):
@@ -158,23 +201,32 @@ class ToolsRecipe(Recipe):
         "min_surviving_attempts": 2, "backend": "torch", "target_reward": 0.8,
     }
     Options = ToolsOptions
+    requires: ClassVar[dict[str, str]] = {"openai": "agents", "httpx": "agents"}
+    """Its agent's client (``tools_agent``), imported in the sandbox workers."""
 
     def engine_config(self, config: TrainConfig, options: ToolsOptions) -> EngineConfig:
         if config.backend == "sim":
             raise ConfigurationError("backend='sim': the tools recipe needs a model backend (torch or vllm)")
-        if config.max_tokens != 1:
-            raise ConfigurationError(f"max_tokens={config.max_tokens}: a turn is one token (max_tokens=1)")
-        if importlib.util.find_spec("openai") is None:
-            raise ConfigurationError("the tools recipe's agent uses the openai client: pip install 'rlengine[agents]'")
+        self.check_requires()
         if not config.episode_timeout_s > options.job_timeout_s:
             raise ConfigurationError(f"episode_timeout_s={config.episode_timeout_s}: must exceed the sandbox's bound "
                                      f"job_timeout_s={options.job_timeout_s}")
+        model = given_model(config, self.name)
+        if model is not None:
+            fit_model(model, config, options)
+            return model.engine_config(config)
+        if config.max_tokens != 1:
+            raise ConfigurationError(f"max_tokens={config.max_tokens}: a turn is one token (max_tokens=1)")
         path = prepare_char_model(ALPHABET, END, cache_dir=config.cache_dir, seed=config.seed,
                                   chat_template=CHAT_TEMPLATE, max_position_embeddings=max(64, 6 * config.max_turns + 8))
         return EngineConfig(model=path, backend=config.backend, cache_dir=config.cache_dir)
 
     def datasets(self, config: TrainConfig, options: ToolsOptions) -> tuple[RLDataset, RLDataset | None]:
-        world = _World(options)
+        model = given_model(config, self.name)
+        if model is None:
+            world = _World(options, options.tool_parser or MeterCalls.name, None)
+        else:
+            world = _World(options, fit_model(model, config, options), QUESTION)
         batches = config.steps if config.steps is not None else 120
         return (DigitTasks(world, "reading", batches, config.groups_per_batch, config.group_size, config.seed),
                 EveryDigit(world, "reading"))
@@ -187,7 +239,7 @@ class ToolsRecipe(Recipe):
         assert isinstance(dataset, DigitTasks)
         world = dataset.world
         options = world.options
-        async with Server(engine, ServeConfig(ipc=False, tool_parser=MeterCalls.name, max_in_flight=4096)) as server, \
+        async with Server(engine, ServeConfig(ipc=False, tool_parser=world.tool_parser, max_in_flight=4096)) as server, \
                 SandboxPool(AGENT_MODULE, options.sandboxes, job_timeout_s=options.job_timeout_s) as pool:
             await pool.start(None)
             world.pool, world.server = pool, server

@@ -5,7 +5,8 @@
 one episode against the session's own base URL with the session's key, the
 way any OpenAI-speaking agent would:
 
-1. ``chat.completions.create(messages=[user "?"], tools=[read_meter])``;
+1. ``chat.completions.create(messages=[user "?"], tools=[read_meter])`` (the task's
+   ``question`` instead of ``?`` where the recipe trains a given model);
 2. for every tool call in the reply it runs the tool (the meter's reading is
    the job's ``task["reading"]``, which only the tool reveals) and sends the
    result back as a ``tool`` message, then asks again;
@@ -34,6 +35,8 @@ from typing import Any
 ALPHABET = "0123456789?@=UA$"
 """The model's characters: token ``i + 1`` is ``ALPHABET[i]`` (token 0 is padding)."""
 TOOL = "read_meter"
+QUESTION = "What does the meter read? Call read_meter, then answer with the digit alone."
+"""The user's question to a model given with ``model=`` (the recipe's own model is asked ``?``)."""
 TOOLS = [{"type": "function", "function": {
     "name": TOOL, "description": "The meter's reading now: one digit.",
     "parameters": {"type": "object", "properties": {}}}}]
@@ -68,7 +71,7 @@ async def play(job: dict[str, Any]) -> dict[str, Any]:
     reading = str(job["task"]["reading"])
     sampling = job["sampling"]
     client = openai.AsyncOpenAI(base_url=job["base_url"], api_key=job["api_key"], max_retries=0, http_client=_http)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "?"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": job["task"].get("question", "?")}]
     calls = 0
     answer: str | None = None
     for turn in range(int(job["max_turns"])):
@@ -102,7 +105,7 @@ async def _play_bare(job: dict[str, Any]) -> dict[str, Any]:
     reading = str(job["task"]["reading"])
     sampling = job["sampling"]
     headers = {"Authorization": f"Bearer {job['api_key']}"}
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "?"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": job["task"].get("question", "?")}]
     calls = 0
     answer: str | None = None
     for turn in range(int(job["max_turns"])):
