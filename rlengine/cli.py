@@ -2,8 +2,10 @@
 
 ``info`` says what is installed and which backends and extensions can run
 here, and why not. ``bench`` runs the control-plane benchmarks and prints a
-table (``--json`` for machines). Commands parse their own flags with
-argparse; every flag has help.
+table (``--json`` for machines). ``rlengine --version`` prints the version.
+Commands parse their own flags with argparse; every flag has help, shown as
+plain text (``rlengine.console.plain``). Every command exits 2 for a usage
+or settings error, before it starts anything.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import sys
 from typing import Any
+
+from rlengine.console import plain
 
 __all__ = ["main"]
 
@@ -159,7 +164,10 @@ def bench(as_json: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlengine", description=__doc__.splitlines()[0])
+    import rlengine
+
+    parser = argparse.ArgumentParser(prog="rlengine", description=plain(__doc__.splitlines()[0]))
+    parser.add_argument("--version", action="version", version=f"rlengine {rlengine.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, available backends and extensions")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -171,6 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     train_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(args, train_cli, serve_cli)
+    except BrokenPipeError:
+        # The reader went away (``rlengine train --list | head``): stop quietly, as other commands do,
+        # with stdout pointed at nothing so that the interpreter's last flush finds no pipe either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _dispatch(args: argparse.Namespace, train_cli: Any, serve_cli: Any) -> int:
     if args.command == "info":
         data = info(kernels=True)
         if args.json:

@@ -132,7 +132,7 @@ class WeightSyncError(RLEngineError, RuntimeError):
 
 
 class GateError(RLEngineError, RuntimeError):
-    """The request gate refused an operation in its current state."""
+    """The scheduler refused a lease or install-gate operation in its current state."""
 
 
 class GatePoisoned(GateError):

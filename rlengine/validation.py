@@ -44,8 +44,8 @@ import msgspec
 from rlengine.errors import ConfigurationError, FieldError, RLEngineError
 
 __all__ = [
-    "Bound", "FiniteFloat", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt",
-    "check_integer", "check_number", "validate",
+    "Bound", "FiniteFloat", "NonNegativeFloat", "NonNegativeInt", "Port", "PositiveFloat", "PositiveInt",
+    "check_integer", "check_number", "convert_error", "validate",
 ]
 
 
@@ -75,6 +75,8 @@ PositiveFloat = Annotated[float, Bound(gt=0)]
 NonNegativeFloat = Annotated[float, Bound(ge=0)]
 """Finite and >= 0."""
 FiniteFloat = Annotated[float, Bound()]
+Port = Annotated[int, Bound(ge=0, le=65535)]
+"""A TCP port to listen on; 0: any free one."""
 
 
 # -- compiling a class's checks ------------------------------------------------------------------
@@ -322,3 +324,19 @@ def check_number(name: str, value: object, minimum: float | None, exclusive: boo
     ok, what = _value_check(float, bound, (float, minimum, exclusive, maximum))
     if not ok(value):
         _raise(ConfigurationError, name, value, f"must be {what}")
+
+
+def convert_error(cls: type, exc: msgspec.ValidationError, given: dict[str, Any]) -> str:
+    """The message for ``msgspec.convert(given, cls)`` failing with ``exc``: where msgspec refused a
+    top-level field's value before ``__post_init__`` could (a ``Literal`` it does not hold, a string
+    for a number), the message ``validate`` gives for it (the field, the value and what is accepted,
+    a ``Literal``'s choices included); else msgspec's own."""
+    field = str(exc).rpartition(" - at `$.")[2].rstrip("`")
+    if field in given and field in cls.__struct_fields__:
+        try:
+            cls(**{field: given[field]})
+        except RLEngineError as declared:
+            return str(declared)
+        except (TypeError, ValueError):  # other fields are required, or the class refuses it otherwise
+            pass
+    return str(exc)

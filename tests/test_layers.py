@@ -196,7 +196,7 @@ def test_a_moved_module_old_path_warns_and_is_the_new_module(old, new):
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"True ['{old} moved to {new}; the old path goes in the next minor version']"
+    assert out.stdout.strip() == f"True ['{old} moved to {new}; the old path goes in rlengine 0.3']"
 
 
 # -- one job per file (issue 30) ------------------------------------------------------------------

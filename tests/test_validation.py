@@ -4,6 +4,8 @@ The cases are read off the annotations themselves (every ``Bound``, every ``Lite
 every bool and number), so a field added with a declaration is covered without a new
 test: each bound rejects the value just outside it and accepts the value on it, on
 construction and on decoding (JSON and msgpack), with an error naming field and value.
+The Tinker request bodies' cases also go through the real Tinker server as JSON: a 400
+whose body names the field and the value.
 """
 
 from __future__ import annotations
@@ -15,14 +17,29 @@ from typing import Annotated, Any, Literal
 import msgspec
 import pytest
 from msgspec.structs import force_setattr
+from verifiers_recipe import VerifiersOptions
 
+import rlengine as rle
 from rlengine import validation
 from rlengine.config import EngineConfig, Placement, SimConfig
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.rl.config import TrainConfig, check_integer, check_number
+from rlengine.rl.recipes.copy_digits import CopyOptions
+from rlengine.rl.recipes.guess import GuessOptions
+from rlengine.rl.recipes.tools import ToolsOptions
 from rlengine.serve.server import ServeConfig
+from rlengine.tinker_api import TinkerServerConfig, start
+from rlengine.tinker_api.wire import (
+    LoraConfigWire,
+    ModelInputWire,
+    SampleRequest,
+    SamplingParamsWire,
+    SaveWeightsForSamplerRequest,
+)
 from rlengine.types import AdamParams, SamplingParams, TensorData
 from rlengine.validation import Bound, PositiveInt, validate
+
+httpx = pytest.importorskip("httpx")
 
 # class -> (its error, the prefix of its field names, the fields a valid instance needs)
 CONVERTED: dict[type, tuple[type[Exception], str, dict[str, Any]]] = {
@@ -34,6 +51,14 @@ CONVERTED: dict[type, tuple[type[Exception], str, dict[str, Any]]] = {
     Placement: (ConfigurationError, "placement.", {}),
     ServeConfig: (ConfigurationError, "", {}),
     TrainConfig: (ConfigurationError, "", {}),
+    TinkerServerConfig: (ConfigurationError, "", {}),
+    CopyOptions: (ConfigurationError, "", {}),
+    GuessOptions: (ConfigurationError, "", {}),
+    ToolsOptions: (ConfigurationError, "", {}),
+    VerifiersOptions: (ConfigurationError, "", {}),
+    LoraConfigWire: (InvalidRequest, "lora_config.", {"rank": 0}),
+    SampleRequest: (InvalidRequest, "", {"prompt": ModelInputWire(chunks=[]), "sampling_params": SamplingParamsWire()}),
+    SaveWeightsForSamplerRequest: (InvalidRequest, "", {"model_id": "m"}),
 }
 
 # Values on a bound that a rule between fields refuses at construction (checked through
@@ -137,9 +162,12 @@ def test_the_cases_cover_every_converted_type_and_each_kind_of_declaration():
     paths = {(c.cls, c.path) for c in CASES}
     for expected in [(SamplingParams, "top_k"), (SamplingParams, "logprobs_mode"), (Placement, "replica_resources['x']"),
                      (TensorData, "shape[0]"), (TrainConfig, "kl_estimator"), (ServeConfig, "port"),
-                     (EngineConfig, "dtype"), (SimConfig, "gen_len_dist")]:
+                     (EngineConfig, "dtype"), (SimConfig, "gen_len_dist"), (TinkerServerConfig, "port"),
+                     (CopyOptions, "digits"), (ToolsOptions, "deadline_s"), (VerifiersOptions, "scripted"),
+                     (LoraConfigWire, "rank"), (SampleRequest, "topk_sample_logprobs"),
+                     (SampleRequest, "prompt_logprobs_last_n"), (SaveWeightsForSamplerRequest, "kind")]:
         assert expected in paths
-    assert sum(not c.ok for c in CASES) > 200  # typically ~330
+    assert sum(not c.ok for c in CASES) > 200  # typically ~470
 
 
 def _assert_names(err: BaseException, case: Case) -> None:
@@ -205,6 +233,48 @@ def test_a_value_on_a_bound_is_accepted(case):
     assert getattr(decoded, case.field) == case.wrap(case.value)
 
 
+# -- the Tinker request bodies, through the real server ----------------------------------------------
+
+TINKER_CALLS: dict[type, tuple[str, typing.Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    LoraConfigWire: ("create_model", lambda fields: {"session_id": "s", "model_seq_id": 0, "base_model": "tiny",
+                                                     "lora_config": {"rank": 0, **fields}}),
+    SampleRequest: ("asample", lambda fields: {"prompt": {"chunks": []}, "sampling_params": {}, **fields}),
+    SaveWeightsForSamplerRequest: ("save_weights_for_sampler", lambda fields: {"model_id": "m", **fields}),
+}
+"""Each Tinker body's endpoint, and the JSON request that carries the given fields of that body."""
+
+
+@pytest.fixture(scope="module")
+def tinker_url(engine_config, tmp_path_factory):
+    # The sim: a body is refused while it is decoded, before any call reaches the engine.
+    with rle.Engine(engine_config("sim")) as engine:
+        server = start(engine, TinkerServerConfig(no_auth=True, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt"))))
+        try:
+            yield server.url
+        finally:
+            server.close()
+
+
+def test_every_tinker_body_with_declarations_is_sent_to_the_server():
+    assert set(TINKER_CALLS) == {c for c in CONVERTED if c.__module__ == "rlengine.tinker_api.wire"}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.cls in TINKER_CALLS and not c.ok
+                                  and _encodable(c, msgspec.json)], ids=repr)
+def test_a_refused_tinker_body_is_a_400_naming_field_and_value(case, tinker_url):
+    """A declared limit (the body's own ``InvalidRequest``) and msgspec's own refusal (a type, a
+    literal, at the path msgspec names) read alike: the field as the body's error names it, and the
+    value as sent."""
+    endpoint, request = TINKER_CALLS[case.cls]
+    response = httpx.post(f"{tinker_url}/api/v1/{endpoint}", timeout=60,
+                          content=msgspec.json.encode(request({case.field: case.wrap(case.value)})),
+                          headers={"X-API-Key": "tml-any", "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["field"]) == ("invalid", CONVERTED[case.cls][1] + case.path), error
+    assert (type(error["value"]), error["value"]) == (type(case.value), case.value), error
+
+
 # -- the defects the hand-written checks let through (each failed on the old code) ---------------------
 
 @pytest.mark.parametrize(("make", "field"), [
@@ -215,6 +285,8 @@ def test_a_value_on_a_bound_is_accepted(case):
     (lambda: EngineConfig(continuous_sampling="no"), "continuous_sampling"),  # resolved_continuous() said "no"
     (lambda: TrainConfig(reproducible="false"), "reproducible"),
     (lambda: SimConfig(sleep_supported=0), "sim.sleep_supported"),
+    (lambda: TinkerServerConfig(sample_use_retrieve_futures="false"), "sample_use_retrieve_futures"),  # was on
+    (lambda: VerifiersOptions(scripted=0), "scripted"),
 ])
 def test_bools_and_numbers_are_checked_on_every_config_not_only_where_someone_wrote_a_check(make, field):
     with pytest.raises(ConfigurationError, match=f"^{field}="):

@@ -47,10 +47,11 @@ import msgspec
 from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError
 from rlengine.rl.agents import AgentProgram, HttpAgentEnv
-from rlengine.rl.config import TrainConfig, check_integer, check_number
+from rlengine.rl.config import TrainConfig
 from rlengine.rl.recipes import Recipe
 from rlengine.rl.sandbox import SandboxPool
 from rlengine.rl.types import AgentEnv, EnvGroupBuilder, RLDataset
+from rlengine.validation import PositiveFloat, PositiveInt, validate
 
 __all__ = ["ANSWERS", "CALL", "KEYS", "RECIPE", "SCRIPT", "VENV", "VENV_HINT", "VERSION", "venv_python"]
 
@@ -89,14 +90,13 @@ def venv_python() -> tuple[str, str]:
 class VerifiersOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     scripted: bool = True
     """The engine's completions are ``SCRIPT`` (the scripted backend); False samples the tiny model."""
-    sandboxes: int = 1
+    sandboxes: PositiveInt = 1
     """Sandbox worker processes; each starts the episodes it is given, at once, one process each."""
-    job_timeout_s: float = 240.0
+    job_timeout_s: PositiveFloat = 240.0
     """Longest one episode may take in its sandbox (its session's deadline is 0.9 of it)."""
 
     def __post_init__(self) -> None:
-        check_integer("sandboxes", self.sandboxes, minimum=1)
-        check_number("job_timeout_s", self.job_timeout_s, minimum=0.0, exclusive=True)
+        validate(self, ConfigurationError)
 
 
 class _World:

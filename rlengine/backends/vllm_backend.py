@@ -287,6 +287,9 @@ def build(config: Any, model_path: str | None) -> VLLMBackend:
     # vLLM records one logprob mode per engine (``processed_logprobs``: after temperature,
     # top-k and top-p, as the torch backend's ``processed``).
     args["logprobs_mode"] = f"{getattr(config, 'logprobs_mode', 'raw')}_logprobs"
+    # vLLM hands its weight-loading bar an explicit ``disable``, so tqdm's own TQDM_DISABLE (which
+    # the rlengine commands set unless -v) never reaches it: honour it here.
+    args["use_tqdm_on_load"] = not os.environ.get("TQDM_DISABLE")
     args.update(config.engine_args)
     try:
         with _quiet_vllm():

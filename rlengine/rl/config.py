@@ -25,6 +25,7 @@ from rlengine.validation import (
     PositiveInt,
     check_integer,
     check_number,
+    convert_error,
     validate,
 )
 
@@ -32,30 +33,43 @@ __all__ = ["RESUME_MUTABLE", "TrainConfig", "check_integer", "check_number", "co
 
 
 class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Settings of one RL run (defaults are a recipe's starting point, not tuned for any task)."""
+    """Settings of one RL run (defaults are a recipe's starting point, not tuned for any task).
+
+    Why one class: it is the run's one record of its settings, stored in ``config.json``,
+    compared on resume and listed by ``rlengine train --list``; its length is its fields'
+    docstrings, each field's description (and what ``--list`` shows of it)."""
 
     seed: int = 0
     """Seeds the dataset order and every sampling seed (derived per group and attempt)."""
     backend: Literal["auto", "sim", "torch", "vllm"] = "auto"
+    """The engine's backend; ``auto``: the first usable of vLLM and torch (``rlengine info`` says which)."""
     placement: Literal["local", "ray"] = "local"
     """Where the data plane runs: in this process, or Ray actors behind the one engine
     (``rlengine.Placement``): ``sampler_replicas`` backends and, with ``trainer_workers`` > 1,
     the torch trainer sharded under FSDP2 over that many workers."""
     sampler_replicas: PositiveInt = 1
+    """Sampler backends (more than one with ``placement=ray``)."""
     trainer_workers: PositiveInt = 1
+    """Torch trainer workers (more than one: sharded under FSDP2, with ``placement=ray``)."""
     reproducible: bool = True
     """A seed gives the same run whatever the timing: the torch backend samples batch-invariant
     (``engine_args["batch_invariant"]``), since a multi-turn or sandboxed run's batches form
     by timing. False: faster sampling, reproducible only where batches form in a fixed
     order. vLLM has no batch-invariant mode on CPU: with it, such runs agree only to the
     last bits of their logprobs, and drift apart from there."""
+    model: str | None = None
+    """The model to train instead of the recipe's own (None): a Hugging Face directory, a ``.gguf`` file
+    (``rlengine[gguf]``) or a hub id in the local HF cache; the recipe encodes with its tokenizer and
+    refuses a model that does not fit (docs/recipes.md)."""
     cache_dir: str | None = None
-    """Where models are built; None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
+    """Where models are built (and GGUF files converted); None: ``$RLENGINE_CACHE`` or ``~/.cache/rlengine``."""
     steps: PositiveInt | None = None
     """Training steps; None trains through the dataset once. More steps than the
     dataset has batches is an error (``DataExhausted``) when the data runs out."""
     groups_per_batch: PositiveInt = 32
+    """Groups (a task sampled ``group_size`` times) per training step."""
     group_size: PositiveInt = 8
+    """Attempts per group; the group's rewards are each attempt's baseline (GRPO)."""
     max_steps_off_policy: NonNegativeInt = 0
     """0: synchronous (sample a batch with the current weights, train, repeat).
     k > 0: rollouts for up to k steps ahead run while training (the engine trains on a thread
@@ -73,14 +87,19 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """Optimizer steps per batch: K > 1 splits the batch's datums into K parts,
     each a forward_backward and an optimizer step (PPO-style reuse of the samples)."""
     temperature: NonNegativeFloat = 1.0
+    """Sampling temperature of the rollouts."""
     max_tokens: PositiveInt = 16
+    """Most tokens sampled per action (per turn of a multi-turn episode)."""
     max_turns: PositiveInt = 16
+    """Most turns per episode."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "ppo"
+    """The policy loss (``rlengine.trainer.losses``): ``ppo`` (clipped ratio), ``importance_sampling`` or ``cispo``."""
     clip_low_threshold: NonNegativeFloat | None = None
     """None: the loss's default (ppo 0.8, cispo 0.0)."""
     clip_high_threshold: NonNegativeFloat | None = None
     """None: the loss's default (ppo 1.2, cispo 4.0)."""
     entropy_coef: NonNegativeFloat = 0.0
+    """Weight of the entropy bonus in the loss; 0: none."""
     loss_aggregation: Literal["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token",
                               "sequence"] = "sum"
     """How each ``forward_backward`` call aggregates the loss over its sampled tokens (each
@@ -139,18 +158,26 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     icepop_low: PositiveFloat | None = None
     """IcePop: tokens with ``w`` outside [icepop_low, icepop_high] left out, the rest weighted by ``w``."""
     icepop_high: PositiveFloat | None = None
+    """IcePop's upper bound on ``w`` (set with ``icepop_low``)."""
     geo_mask_low: PositiveFloat | None = None
     """A sequence-level mask: a datum whose geometric-mean ``w`` is outside
     [geo_mask_low, geo_mask_high] is left out."""
     geo_mask_high: PositiveFloat | None = None
+    """The sequence-level mask's upper bound (set with ``geo_mask_low``)."""
     learning_rate: PositiveFloat = 1e-4
+    """Adam's learning rate (at the first step; see ``lr_schedule``)."""
     lr_schedule: Literal["constant", "linear"] = "constant"
     """``linear`` decays the learning rate from ``learning_rate`` at the first step to 0 after the last."""
     beta1: Annotated[float, Bound(ge=0, lt=1)] = 0.9
+    """Adam's decay of the gradient's running mean."""
     beta2: Annotated[float, Bound(ge=0, lt=1)] = 0.95
+    """Adam's decay of the squared gradient's running mean."""
     eps: PositiveFloat = 1e-8
+    """Adam's epsilon (added to the denominator)."""
     weight_decay: NonNegativeFloat = 0.0
+    """Adam's weight decay; 0: none."""
     grad_clip_norm: NonNegativeFloat = 1.0
+    """The gradient's global norm is clipped to this before each optimizer step; 0: no clipping."""
     normalize_advantages: bool = True
     """Divide group-centred advantages by the group's reward std (GRPO)."""
     skip_constant_reward: bool = True
@@ -161,16 +188,21 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     eval_every: NonNegativeInt = 10
     """Evaluate on the held-out split every N steps and after the last; 0: never."""
     eval_temperature: NonNegativeFloat = 0.0
+    """Sampling temperature of the held-out evaluations (0: greedy)."""
     checkpoint_every: NonNegativeInt = 0
     """A quiescent checkpoint every K steps and after the last; 0: never."""
     keep_checkpoints: PositiveInt = 2
+    """How many of the newest checkpoints are kept (older ones are deleted)."""
     drain_policy: Literal["wait", "pause"] = "wait"
+    """Before a weight install, sampling in flight finishes (``wait``) or is paused (``pause``)."""
     max_failure_share: Annotated[float, Bound(gt=0, le=1)] = 0.5
     """Stop the run (``FailureBudgetExceeded``, a non-zero exit) when more than this share of the
     attempts failed, or of the groups went untrained for too few surviving attempts, over the
     last ``failure_window_steps`` steps; 1.0: never."""
     failure_window_steps: PositiveInt = 5
+    """The last steps over which ``max_failure_share`` is measured."""
     episode_timeout_s: PositiveFloat = 300.0
+    """Bound on one episode, all its turns; a slower attempt fails as ``timeout``."""
     call_timeout_s: PositiveFloat = 600.0
     """Bound on every wait for one engine call of the training loop."""
     shutdown_grace_s: PositiveFloat = 3.0
@@ -191,7 +223,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def __post_init__(self) -> None:
         validate(self, ConfigurationError)
-        # Below: the rules between fields, which no one field's type can say.
+        # Below: what a str field's type cannot say, and the rules between fields.
+        if self.model is not None:
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ConfigurationError(f"model={self.model!r}: must be a model directory, a .gguf file or a hub id")
+            if self.backend == "sim":
+                raise ConfigurationError(f"model={self.model!r}: backend='sim' runs no model (use torch or vllm)")
         if self.min_surviving_attempts > self.group_size:
             raise ConfigurationError(f"min_surviving_attempts={self.min_surviving_attempts}: exceeds "
                                      f"group_size={self.group_size}")
@@ -294,7 +331,5 @@ def convert(target: type[Any], values: dict[str, Any], what: str) -> Any:
     try:
         return msgspec.convert(decoded, target, strict=False)
     except msgspec.ValidationError as exc:
-        # msgspec names the field (``... - at `$.key```); the message names its value too.
-        key = str(exc).rpartition("at `$.")[2].rstrip("`")
-        given = f" {key}={values[key]!r}:" if key in values else ""
-        raise ConfigurationError(f"{what}:{given} {exc}") from None
+        # The declared constraint's message: it names the key, the value and what is accepted.
+        raise ConfigurationError(f"{what}: {convert_error(target, exc, decoded)}") from None

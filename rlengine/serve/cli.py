@@ -23,10 +23,14 @@ It prints the servers' addresses (``ipc: <path>``, ``http: <url>``,
 until SIGINT or SIGTERM (``rlengine.signals``: a second one exits at once);
 then turns in flight settle (finished within ``grace_s`` or aborted), the
 socket file is removed and the engines close. Exit status 128 + N after a
-stop by signal N (130 for SIGINT, 143 for SIGTERM), 2 for bad settings, 1
+stop by signal N (130 for SIGINT, 143 for SIGTERM), 2 for bad settings (one
+line naming the setting and what it accepts; a port in use is one too), 1
 when an engine died (its backend failed), whether or not a signal came
 after: the servers then stop on their own within a second, and
 ``GET /health`` answers 503 until they do.
+
+vLLM's, transformers' and torch's own logs stay quiet unless ``-v``
+(``rlengine.console``).
 
 ``rlengine.cli`` wires ``add_parser`` and ``run`` in as its ``serve``
 command; ``python -m rlengine.serve.cli`` runs it alone. This module parses
@@ -37,27 +41,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import sys
 from typing import Any
 
 import msgspec
 
+from rlengine.console import plain, quiet_third_party
 from rlengine.errors import ConfigurationError
 from rlengine.signals import StartUpInterrupted, StopSignals, until_stopped
+from rlengine.validation import convert_error
 
 __all__ = ["add_parser", "main", "parse_settings", "run"]
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` command to an argparse subparsers object."""
     parser = subparsers.add_parser(
         "serve", help="serve agent sandboxes over IPC and OpenAI-compatible HTTP until SIGINT/SIGTERM",
-        description=__doc__.split("\n\n")[1])
+        description=plain(__doc__.split("\n\n")[1]))
     parser.add_argument("settings", nargs="*", metavar="key=value",
                         help="EngineConfig / ServeConfig fields, replicas=N and tinker.* (TinkerServerConfig "
                              "fields, with --tinker), e.g. backend=sim port=8000 tinker.port=8001")
     parser.add_argument("--tinker", action="store_true",
                         help="also serve the Tinker REST API (for the tinker SDK and cookbook) on replica 0")
+    parser.add_argument("--demo", action="store_true",
+                        help="try it with an agent: the tiny model's tokenizer and replies that read the request "
+                             "(calls the first tool offered, then answers with its result); settings still apply")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show vLLM's, transformers' and torch's own logs and loading bars (on stderr)")
     return parser
 
 
@@ -105,11 +118,13 @@ def parse_settings(words: list[str]) -> tuple[Any, Any, int]:
         else:
             raise ConfigurationError(f"setting {key!r}: unknown; known: replicas, "
                                      f"{', '.join(sorted(engine_fields | serve_fields))}")
-    try:
-        return (msgspec.convert(engine, EngineConfig, strict=False),
-                msgspec.convert(serve, ServeConfig, strict=False), replicas)
-    except msgspec.ValidationError as exc:
-        raise ConfigurationError(f"bad setting: {exc}") from None
+    out = []
+    for cls, given in ((EngineConfig, engine), (ServeConfig, serve)):
+        try:
+            out.append(msgspec.convert(given, cls, strict=False))
+        except msgspec.ValidationError as exc:
+            raise ConfigurationError(f"bad setting: {convert_error(cls, exc, given)}") from None
+    return out[0], out[1], replicas
 
 
 def tinker_settings(words: list[str]) -> Any:
@@ -129,7 +144,22 @@ def tinker_settings(words: list[str]) -> Any:
     try:
         return msgspec.convert(given, TinkerServerConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigurationError(f"bad tinker setting: {exc}") from None
+        raise ConfigurationError(f"bad tinker setting: tinker.{convert_error(TinkerServerConfig, exc, given)}") from None
+
+
+def _cannot_listen(exc: OSError, setting: str, host: str, port: int) -> BaseException:
+    """A port that is taken (or needs privileges) as the setting's error, one line, not a traceback;
+    any other failure to listen (the IPC socket's path, say) as it was."""
+    if port == 0 or f"{port})" not in str(exc):  # asyncio names the address it could not bind: (host, port)
+        return exc
+    if exc.errno == errno.EADDRINUSE:
+        why = "in use (another process listens there)"
+    elif exc.errno in (errno.EACCES, errno.EADDRNOTAVAIL):
+        why = f"not available here ({exc.strerror})"
+    else:
+        return exc
+    return ConfigurationError(f"{setting}={port}: cannot listen on {host}:{port}, {why}; choose another "
+                              f"{setting}=N, or {setting}=0 for any free port")
 
 
 async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: int,
@@ -143,7 +173,10 @@ async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: 
         engine = Engine(msgspec.structs.replace(engine_cfg, seed=engine_cfg.seed + i))
         engines.append(engine)
         await engine.start_async()
-    server = await Server(engines, serve_cfg).start_async()
+    try:
+        server = await Server(engines, serve_cfg).start_async()
+    except OSError as exc:
+        raise _cannot_listen(exc, "port", serve_cfg.host, serve_cfg.port) from None
     tinker = None
     try:
         if server.ipc_path:
@@ -155,7 +188,10 @@ async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: 
         if tinker_cfg is not None:
             from rlengine.tinker_api.server import start_async as start_tinker
 
-            tinker = await start_tinker(engines[0], tinker_cfg)
+            try:
+                tinker = await start_tinker(engines[0], tinker_cfg)
+            except OSError as exc:
+                raise _cannot_listen(exc, "tinker.port", tinker_cfg.host, tinker_cfg.port) from None
             print(f"tinker: {tinker.url}", flush=True)
             if tinker.key_file is not None:
                 print(f"tinker key: {tinker.api_key}\ntinker key file: {tinker.key_file}", flush=True)
@@ -197,13 +233,16 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
 
 def run(args: argparse.Namespace) -> int:
     """Run ``rlengine serve`` with parsed ``args``; returns the exit status."""
+    # Before anything imports vLLM, transformers or torch: they read these as they load.
+    quiet_third_party(getattr(args, "verbose", False))
     with StopSignals("rlengine serve") as signals:
         return signals.leave(_run(args, signals))
 
 
 def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     try:
-        engine_cfg, serve_cfg, replicas = parse_settings(args.settings)
+        demo = ["backend=scripted", "model=tiny", "engine_args.script=demo"] if getattr(args, "demo", False) else []
+        engine_cfg, serve_cfg, replicas = parse_settings(demo + args.settings)
         tinker_cfg = tinker_settings(args.settings) if getattr(args, "tinker", False) else None
         if tinker_cfg is None and any(w.startswith("tinker.") for w in args.settings):
             raise ConfigurationError("tinker.* settings need --tinker")

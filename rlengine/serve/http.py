@@ -3,7 +3,7 @@
 Endpoints:
 
 * ``GET /health`` - 200 while every engine replica lives, 503 naming the dead
-  ones (``GET /v1/models`` answers 503 then too);
+  ones (``GET /v1/models`` answers 503 then too); it needs no API key;
 * ``GET /v1/models``, ``GET /v1/models/{id}`` - the served model;
 * ``POST /v1/chat/completions`` - non-streaming and streaming (SSE) chat
   completions. With a session id (``X-Session-ID`` header or ``session_id``
@@ -23,10 +23,16 @@ Endpoints:
 * ``POST /v1/messages`` - Anthropic's Messages API and ``POST /v1/responses``
   - OpenAI's Responses API, each translated to the same chat turns
   (``serve.anthropic``, ``serve.responses``), streamed as those APIs stream;
+* ``POST /v1/completions`` - OpenAI's legacy Completions API: a text or
+  token-id prompt as a token turn (``serve.completions``), traced in a
+  session like ``generate``, streamed or not, with OpenAI's ``logprobs``;
+* a ``max_tokens`` (``max_completion_tokens``, ``max_output_tokens``) that the
+  context cannot hold after the prompt is a 400 ``context_length_exceeded``
+  naming the field, as OpenAI answers it;
 * ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional; the
   answer holds the id, the token and the session's own ``base_url``,
   ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
-  chat/completions``, ``messages``, ``responses``, ``reward`` and ``GET
+  chat/completions``, ``completions``, ``messages``, ``responses``, ``reward`` and ``GET
   models`` there are that session's),
   ``GET /v1/admin/leases`` (turns with an unknown outcome, per replica) and
   ``POST /v1/admin/leases/{replica}/{lease_id}/write_off`` for operators;
@@ -36,7 +42,7 @@ Endpoints:
 
 It binds 127.0.0.1 unless told otherwise; with ``api_key`` (``Server`` passes
 ``ServeConfig.api_key`` or the key it drew; None only with ``no_auth``) every
-request must carry ``Authorization: Bearer <api_key>`` (what the ``openai``
+request but ``GET /health`` must carry ``Authorization: Bearer <api_key>`` (what the ``openai``
 client sends) or ``x-api-key: <api_key>`` (the ``anthropic`` client), but for
 those on a session's own base URL, which carry its token.
 Errors have OpenAI's shape (``{"error": {"message", "type", "code", "param"}}``,
@@ -106,6 +112,8 @@ class HttpServer:
         self.url: str | None = None
         self.port: int | None = None
         """The port it listens on (once started)."""
+        self.key_file: str | None = None
+        """Where the drawn API key was written (``Server`` sets it); a 401 names it."""
         self._session_decoder = msgspec.json.Decoder(SessionBody)
         self._reward_decoder = msgspec.json.Decoder(RewardBody)
         self._encoder = msgspec.json.Encoder()
@@ -123,12 +131,14 @@ class HttpServer:
             web.post("/sessions/{session_id}/v1/chat/completions", turns.chat_completions),
             web.post("/sessions/{session_id}/v1/messages", turns.messages),
             web.post("/sessions/{session_id}/v1/responses", turns.responses),
+            web.post("/sessions/{session_id}/v1/completions", turns.completions),
             web.get("/sessions/{session_id}/v1/models", self.models),
             web.get("/sessions/{session_id}/v1/models/{model_id}", self.model),
             web.post("/sessions/{session_id}/v1/reward", self.reward),
             web.post("/v1/chat/completions", turns.chat_completions),
             web.post("/v1/messages", turns.messages),
             web.post("/v1/responses", turns.responses),
+            web.post("/v1/completions", turns.completions),
             web.post("/v1/sessions", self.open_session),
             web.delete("/v1/sessions/{session_id}", self.close_session),
             web.post("/v1/sessions/{session_id}/reward", self.reward),
@@ -174,13 +184,14 @@ class HttpServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer check, and OpenAI-shaped errors for everything that fails."""
-        # A session's own base URL is authorized by the session's token, checked by the handler.
-        if self.api_key is not None and "session_id" not in request.match_info:
+        # A session's own base URL is authorized by the session's token, checked by the handler;
+        # /health is open: it tells nothing but liveness, and probes (a load balancer's) carry no key.
+        if self.api_key is not None and "session_id" not in request.match_info and request.path != "/health":
             auth = request.headers.get("Authorization", "")
             # OpenAI's clients send a bearer token, Anthropic's an x-api-key header.
             given = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                return unauthorized_response()
+                return unauthorized_response(self.key_file)
         try:
             return await handler(request)
         except web.HTTPException as exc:

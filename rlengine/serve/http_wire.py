@@ -65,9 +65,17 @@ def error_response(exc: BaseException, anthropic: bool = False) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def unauthorized_response() -> web.Response:
-    """401: a request without the server's API key."""
-    body = {"error": {"message": "missing or wrong API key (Authorization: Bearer <api_key>, or x-api-key)",
+def unauthorized_response(key_file: str | None = None) -> web.Response:
+    """401: a request without the server's API key. The message says where the key is: the file a
+    drawn key was written to (``key_file``), else the server's ``api_key`` setting; a script that
+    worked before servers drew keys gets its answer from the error alone."""
+    if key_file is not None:
+        where = (f"this server drew its key at start-up (printed as 'http key: ...'); it is in {key_file} "
+                 f"(e.g. export OPENAI_API_KEY=$(cat {key_file}))")
+    else:
+        where = "the key is the server's api_key setting (rlengine serve api_key=...)"
+    body = {"error": {"message": f"missing or wrong API key: send Authorization: Bearer <key> (the openai "
+                                 f"client's api_key) or x-api-key: <key>; {where}",
                       "type": "invalid_request_error", "code": "unauthorized", "param": None}}
     return web.json_response(body, status=401)
 

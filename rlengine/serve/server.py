@@ -47,7 +47,7 @@ from rlengine.serve.router import SessionRouter
 from rlengine.serve.sessions import Retention, SessionManager
 from rlengine.tool_parsers import PARSERS, parser_for
 from rlengine.trace import DEFAULT_MAX_BYTES, TraceStore
-from rlengine.validation import Bound, NonNegativeInt, PositiveInt, validate
+from rlengine.validation import Bound, NonNegativeInt, Port, PositiveInt, validate
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -68,7 +68,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """None: ``engine.sock`` in a new private (0700) temporary directory."""
     http: bool = True
     host: str = "127.0.0.1"
-    port: Annotated[int, Bound(ge=0, le=65535)] = 0
+    port: Port = 0
     """0: any free port (the chosen one is printed and in ``Server.http_url``)."""
     api_key: str | None = None
     """The key every HTTP request must carry (``Authorization: Bearer`` or ``x-api-key``), but for those on a
@@ -228,6 +228,7 @@ class Server:
                 self.http_url = await self.http.start(cfg.host, cfg.port)
                 if self._drawn is not None:
                     self.key_file = self._drawn.write(self.http.port)
+                    self.http.key_file = self.key_file
                     log.info("http: %s needs API key %s (also in %s)", self.http_url, self.api_key, self.key_file)
         except BaseException:
             await self._shut(0.0)

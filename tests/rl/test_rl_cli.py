@@ -1,17 +1,21 @@
-"""``rlengine train`` as a process: exit codes, SIGINT, the last line, and resume after SIGKILL.
+"""``rlengine train`` as a process: exit codes, SIGINT, the last line, resume after SIGKILL, and
+what it prints (issue 32's papercuts: resume without a checkpoint, a missing extra, progress
+without a terminal, ``--list``, bad choices).
 
 The plumbing recipe ``rl_sim:RECIPE`` (tests/rl_sim.py, on the sim backend)
 runs in a subprocess. The resume test kills the process with SIGKILL at
 random points (seeded, printed on failure), resumes it each time with
-``--resume``, and compares the result with an uninterrupted run: in
-synchronous mode every step's groups, rewards and loss are identical; in
-asynchronous mode every group is consumed exactly once.
+``--resume`` (``--start-over`` where no checkpoint was written yet), and
+compares the result with an uninterrupted run: in synchronous mode every
+step's groups, rewards and loss are identical; in asynchronous mode every
+group is consumed exactly once.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -120,7 +124,7 @@ def run_with_kills(path: Path, settings: list[str], kills: int, rng: random.Rand
         points.append(round(delay, 3))
         proc.kill()
         proc.communicate(timeout=30)
-        proc = start("--resume", str(path))
+        proc = start("--resume", str(path), "--start-over")  # a kill before the first checkpoint starts over
     code, _, err = finish(proc)
     assert code == 0, (points, err)
     return points
@@ -157,3 +161,194 @@ def test_async_resume_after_sigkill_trains_every_group_exactly_once(tmp_path):
     groups = ledger(killed)
     assert sorted(groups) == list(range(160)), points
     assert all(len(d) == 1 for d in groups.values()), (points, {g: d for g, d in groups.items() if len(d) > 1})
+
+
+# -- the command's papercuts (issue 32): each run through the real command, off a terminal ------------------
+
+def rlengine(*args: str, extra_path: str = "", timeout: float = WAIT_S) -> tuple[int, str, str]:
+    """``rlengine ARGS`` (the console script's module) to the end, without a terminal."""
+    environ = env()
+    if extra_path:
+        environ["PYTHONPATH"] = os.pathsep.join([extra_path, environ["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-m", "rlengine.cli", *args], env=environ, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_resume_without_a_checkpoint_is_refused_and_keeps_the_metrics(tmp_path):
+    code, _, err = rlengine("train", "rl_sim:RECIPE", "batches=2", "--run-dir", str(tmp_path))
+    assert code == 0, err
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    code, _, err = rlengine("train", "--resume", str(tmp_path))
+    assert code == 2, err  # it started over, writing new metrics over the old ones
+    assert f"--resume {tmp_path}: holds no checkpoint" in err and "--start-over" in err, err
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    code, _, err = rlengine("train", "--resume", str(tmp_path), "--start-over")
+    assert code == 0, err
+    assert [s["step"] for s in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2]
+    code, _, err = rlengine("train", "--resume", str(tmp_path / "nothing"))
+    assert code == 2 and f"--resume {tmp_path / 'nothing'}: not a run directory" in err, err
+    assert "Traceback" not in err
+
+
+def test_start_over_needs_resume(tmp_path):
+    code, _, err = rlengine("train", "rl_sim:RECIPE", "--start-over", "--run-dir", str(tmp_path))
+    assert code == 2 and "--start-over: only with --resume" in err, err
+
+
+HIDE_HTTPX = '''
+import sys
+
+class HideHttpx:
+    """An install without httpx, for this interpreter and the sandboxes it starts."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "httpx":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, HideHttpx())
+'''
+
+
+def test_a_recipe_needing_a_missing_extra_exits_2_before_anything_starts(tmp_path):
+    hidden = tmp_path / "site"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text(HIDE_HTTPX)
+    run_dir = tmp_path / "run"
+    code, out, err = rlengine("train", "tools", "steps=1", "groups_per_batch=2", "--run-dir", str(run_dir),
+                              extra_path=str(hidden))
+    assert code == 2, (out, err)  # it started, then failed its budget on ModuleNotFoundError in every sandbox
+    assert err.strip() == ("rlengine train: recipe 'tools' needs the module 'httpx' (No module named 'httpx'): "
+                           "pip install 'rlengine[agents]'"), err
+    assert not run_dir.exists()
+
+
+def test_a_run_stopped_by_its_failure_budget_prints_its_first_failure(tmp_path):
+    code, _, err = rlengine("train", "rl_sim:RECIPE", "fail_attempts_every=1", "--run-dir", str(tmp_path))
+    assert code == 1, err
+    assert "FailureBudgetExceeded" in err
+    assert ("rlengine train: first failure (step 1, group 0, attempt 0, in the step): ConnectionError: sandbox of "
+            f"attempt 0 went away (every failure is in {tmp_path / 'groups.jsonl'})") in err, err
+
+
+STEP_LINE = re.compile(r"^rlengine train: step (\d+)/(\d+), reward \S+, (\d+\.\d+) s/step")
+
+
+def test_without_a_terminal_progress_is_a_plain_line_every_few_seconds_while_it_runs(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "rlengine.cli", "train", "cli_slow_start:RECIPE", "batches=8",
+                             "env_delay_s=0.2", "--run-dir", str(tmp_path)], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        assert first == "rlengine train: starting, 8 steps\n", first
+        line = proc.stderr.readline()
+        assert STEP_LINE.match(line) and line.startswith("rlengine train: step 1/8,"), line
+        # Step 1 was shown while the run went on (each later step takes 0.2 s of its environments).
+        assert proc.poll() is None
+        _, rest = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, rest
+    steps = [STEP_LINE.match(x) for x in rest.splitlines()]
+    assert all(steps), rest
+    assert steps[-1] is not None and steps[-1].group(1, 2) == ("8", "8")
+    assert len(steps) < 7, rest  # every few seconds (5 s), not every step
+    # The time per step is the steps' own: the 2 s start-up (cli_slow_start) is not in step 1.
+    times = [s["step_time_s"] for s in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+    assert STEP_LINE.match(line).group(3) == f"{times[0]:.2f}", (line, times)
+    assert steps[-1].group(3) == f"{sum(times[-5:]) / 5:.2f}", (rest, times)
+
+
+def test_on_a_terminal_the_bar_shows_the_steps_own_time_not_start_up(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "rlengine.cli", "train", "cli_slow_start:RECIPE", "batches=3",
+                             "--run-dir", str(tmp_path)], env=env(), stdout=subprocess.PIPE, stderr=slave,
+                            stdin=subprocess.DEVNULL, text=True)
+    os.close(slave)
+    shown = b""
+    try:
+        while True:  # the terminal's output until the process closes it
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: no writer left
+                break
+            if not chunk:
+                break
+            shown += chunk
+        proc.communicate(timeout=WAIT_S)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, shown
+    final = [part for part in shown.decode(errors="replace").replace("\n", "\r").split("\r") if "3/3" in part][-1]
+    rate = re.search(r"(\d+\.\d+) ?s/step", final)
+    times = [s["step_time_s"] for s in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+    # On the old code tqdm's own clock, started before the engine, made it about (2 s + steps) / 3.
+    assert rate is not None and rate.group(1) == f"{sum(times) / 3:.2f}", (final, times)
+    assert "train: 3/3" in final
+
+
+def test_the_summary_names_as_many_last_steps_as_there_were(tmp_path):
+    code, out, err = rlengine("train", "rl_sim:RECIPE", "batches=2", "--run-dir", str(tmp_path))
+    assert code == 0, err
+    assert "(mean of the last 2 steps)" in out and "last 5" not in out, out
+
+
+def test_list_shows_the_recipes_own_values_with_a_description_of_every_setting():
+    from rlengine.rl.config import TrainConfig
+    from rlengine.rl.recipes import load_recipe
+
+    code, out, err = rlengine("train", "tools", "--list")
+    assert code == 0, err
+    settings = out.split("settings of recipe tools")[1].splitlines()[1:]
+    assert len(settings) == len(TrainConfig.__struct_fields__)
+    for line in settings:  # key=value [*]  description
+        key = line.split()[0].partition("=")[0]
+        assert key in TrainConfig.__struct_fields__ and len(line.split(None, 1 + ("*" in line.split()))) > 1, line
+    for key, value in load_recipe("tools").defaults.items():
+        if value != getattr(TrainConfig(), key):
+            assert any(line.split()[:2] == [f"{key}={value}", "*"] for line in settings), (key, out)
+    assert "steps=120 *" in out and "backend=torch *" in out
+    assert "sandboxes=2" in out.split("options of recipe tools")[1]
+    assert "``" not in out
+
+
+def test_a_bad_choice_lists_the_valid_ones(tmp_path):
+    code, _, err = rlengine("train", "rl_sim:RECIPE", "backend=nosuch", "--run-dir", str(tmp_path))
+    assert code == 2 and "backend='nosuch': must be 'auto', 'sim', 'torch'" in err, err
+    code, _, err = rlengine("train", "rl_sim:RECIPE", "loss_fn=x", "--run-dir", str(tmp_path))
+    assert code == 2 and "loss_fn='x': must be 'importance_sampling', 'ppo' or 'cispo'" in err, err
+    code, _, err = rlengine("train", "nosuch")
+    assert code == 2 and "not a built-in recipe (copy, guess, tools)" in err, err
+
+
+def test_plain_progress_lines_come_at_the_first_step_every_few_seconds_and_at_the_last():
+    import io
+
+    from rlengine.rl.progress import Progress
+
+    now = [100.0]
+    stream = io.StringIO()
+    progress = Progress("lines", every_s=5.0, stream=stream, clock=lambda: now[0])
+    progress.start(None, 6)
+    for step, at in zip(range(1, 7), (130.0, 131.0, 134.0, 136.0, 137.0, 138.0)):  # 30 s of start-up first
+        now[0] = at
+        progress.step({"step": step, "reward_mean": 0.5, "step_time_s": 0.25})
+    lines = stream.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["rlengine train: starting", "rlengine train: step 1/6",
+                                                        "rlengine train: step 4/6", "rlengine train: step 6/6"]
+    # Each step's own time, never the start-up before step 1.
+    assert lines[1] == "rlengine train: step 1/6, reward 0.500, 0.25 s/step, 1 s left"
+    assert lines[3] == "rlengine train: step 6/6, reward 0.500, 0.25 s/step"

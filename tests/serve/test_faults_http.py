@@ -26,11 +26,11 @@ from serving import REPO, WAIT, Served, sim_config
 from rlengine.serve import ServeConfig
 
 ENDPOINTS = {
-    "chat": ("/v1/chat/completions", lambda stream: {"model": "sim", "max_tokens": 5000, "stream": stream,
+    "chat": ("/v1/chat/completions", lambda stream: {"model": "sim", "max_tokens": 4000, "stream": stream,
                                                      "messages": [{"role": "user", "content": "hello"}]}),
-    "messages": ("/v1/messages", lambda stream: {"model": "sim", "max_tokens": 5000, "stream": stream,
+    "messages": ("/v1/messages", lambda stream: {"model": "sim", "max_tokens": 4000, "stream": stream,
                                                  "messages": [{"role": "user", "content": "hello"}]}),
-    "responses": ("/v1/responses", lambda stream: {"model": "sim", "max_output_tokens": 5000, "stream": stream,
+    "responses": ("/v1/responses", lambda stream: {"model": "sim", "max_output_tokens": 4000, "stream": stream,
                                                    "input": "hello"}),
 }
 
@@ -121,7 +121,7 @@ def test_a_client_killed_mid_turn_leaves_installs_free(served, endpoint, stream)
     # Before the fix a streamed turn's lease stayed unknown: GatePoisoned for unknown_write_off_s.
     version = served.install(seed=len(endpoint) + 10 * stream)
     assert version >= 1
-    assert served.on_loop(served.engines[0].gate.unknown_leases) == []
+    assert served.on_loop(served.engines[0].scheduler.unknown_leases) == []
     wait_for(lambda: in_flight(served) == 0)
     assert in_flight(served) == 0
     status, trace = request(served, "GET", f"/v1/sessions/{sid}/trace", headers={"X-Session-Token": token})

@@ -313,7 +313,7 @@ def test_no_auth_accepts_any_request_and_draws_no_key(tmp_path, monkeypatch):
 def _start_and_vanish(served, sid: str, token: str, stream: bool) -> None:
     """Start a long turn over a raw socket and close it mid-generation (after the 200 when streamed)."""
     url = urlparse(served.http_url)
-    body = json.dumps({"model": "sim", "messages": USER, "max_tokens": 5000, "stream": stream}).encode()
+    body = json.dumps({"model": "sim", "messages": USER, "max_tokens": 4000, "stream": stream}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=WAIT)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {served.api_key}\r\n".encode()
@@ -339,7 +339,7 @@ def test_a_client_gone_before_any_output_is_an_aborted_turn_and_installs_go_on(s
     sid, token = open_session(served)
     _start_and_vanish(served, sid, token, stream=False)
     _wait(lambda: served.on_loop(lambda: served.sessions.in_flight) == 0)
-    assert served.on_loop(served.engines[0].gate.unknown_leases) == []
+    assert served.on_loop(served.engines[0].scheduler.unknown_leases) == []
     served.install(seed=21)  # the gate is not poisoned: nothing reached the client
     assert served.on_loop(lambda: served.sessions.store.export(sid)) == []  # nothing recorded
     assert served.on_loop(served.sessions.trace, served.on_loop(served.sessions.authorize, sid, token)).tainted is False
@@ -349,7 +349,7 @@ def test_a_client_gone_mid_stream_taints_its_session_and_installs_go_on(served):
     sid, token = open_session(served)
     _start_and_vanish(served, sid, token, stream=True)
     _wait(lambda: served.on_loop(lambda: served.sessions.in_flight) == 0)
-    assert served.on_loop(served.engines[0].gate.unknown_leases) == []  # aborted and settled
+    assert served.on_loop(served.engines[0].scheduler.unknown_leases) == []  # aborted and settled
     assert served.install(seed=23) >= 1
     trace = oai(served).get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": {"X-Session-Token": token}})
     assert trace["tainted"] is True and trace["trajectories"] == []  # tokens reached the client, none recorded

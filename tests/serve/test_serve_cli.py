@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serving import REPO, WAIT
+from serving import REPO, WAIT, demo_tool_round_trip
 from test_signals import wait_until_caught
 
 from rlengine import protocol as p
@@ -300,3 +300,19 @@ def test_a_signal_during_start_up_cancels_it_and_serve_exits_128_plus_n():
 def test_bounds_in_the_serve_config_are_checked_by_their_own_names(field, bad):
     with pytest.raises(ConfigurationError, match=f"^{field}="):
         ServeConfig(**{field: bad})
+
+
+@pytest.mark.model_plane
+def test_serve_demo_runs_an_agents_tool_round_trip(model_cache, tmp_path):
+    """``--demo``: the scripted backend's demo replies on the tiny model, for trying an agent."""
+    import openai
+
+    proc, addresses = start("--demo", f"cache_dir={model_cache}", "ipc=false", f"key_file={tmp_path / 'key'}")
+    try:
+        with openai.OpenAI(base_url=addresses["http"], api_key=addresses["http key"], max_retries=0,
+                           timeout=WAIT) as client:
+            [model] = client.models.list().data
+            demo_tool_round_trip(client, model.id)
+    finally:
+        code, _out = stop(proc, signal.SIGINT)
+    assert code == 130
