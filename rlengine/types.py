@@ -406,6 +406,28 @@ class TensorData(_Public):
         return cls(data_raw=a.tobytes(), dtype=dtype, shape=list(a.shape))
 
     @classmethod
+    def from_numpy_parts(cls, arr: Any, lengths: list[int]) -> list[TensorData]:
+        """``from_numpy`` of each consecutive part of the 1-D ``arr``, ``lengths[i]`` items each.
+
+        The whole is converted and checked once; each part is a copy of it with its slice of the
+        bytes and its length, so it needs no check of its own (a batch of datums' columns costs
+        one check, not one per datum)."""
+        whole = cls.from_numpy(arr)
+        if len(whole.shape) != 1 or sum(lengths) != whole.shape[0] or min(lengths, default=0) < 0:
+            raise InvalidRequest("lengths", lengths, f"must be item counts that sum to the array's {whole.shape}")
+        raw, size = whole.data_raw, 8 if whole.dtype == "int64" else 4
+        duplicate = whole.__copy__  # a Struct's own copy: no __post_init__, no copy-module dispatch
+        parts = []
+        at = 0
+        for n in lengths:
+            part = duplicate()
+            force_setattr(part, "data_raw", raw[at * size:(at + n) * size])
+            force_setattr(part, "shape", [n])
+            parts.append(part)
+            at += n
+        return parts
+
+    @classmethod
     def from_torch(cls, tensor: Any) -> TensorData:
         return cls.from_numpy(tensor.detach().cpu().numpy())
 
@@ -507,7 +529,7 @@ class UnloadModelResponse(_Public):
 
 
 class Receipt(_Public):
-    """What a settled gate lease leaves behind."""
+    """What a settled lease leaves behind (``rlengine.core.scheduler``)."""
 
     lease_id: int
     request_id: str

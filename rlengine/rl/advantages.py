@@ -23,6 +23,16 @@
   engine policy version of each sampled target token. Consecutive turns whose observation extends the previous
   context token for token share one datum; a turn that does not (the
   environment rewrote the context) starts a new one.
+* ``group_datums`` is ``trajectory_datums`` over the kept trajectories of one
+  group. Its single-turn trajectories (one transition each: a GRPO group of
+  plain answers) are done at once: their tokens joined into one array, the
+  flags, logprobs, versions and transforms laid out over it, advantages
+  broadcast, the token check made once for the group, and each datum's
+  tensors cut from one buffer per input. The datums are the same, byte for
+  byte, as ``trajectory_datums`` makes (``tests/rl/test_rl_group_datums.py``);
+  anything else (several turns, an action whose logprobs or versions do not
+  match its tokens, a negative token id, whose error the per-trajectory path
+  raises) takes ``trajectory_datums``.
 * ``aggregation_weights`` is how one ``forward_backward`` call aggregates the
   loss over its tokens (``TrainConfig.loss_aggregation``): a factor per
   datum, known once the call's datums are (each substep, each streamed
@@ -32,6 +42,7 @@
   in the advantages, while the ``mask`` weighs the entropy bonus and the
   reference KL token by token: scaling both scales every term of a token's
   objective alike, so the peers' means come out of unchanged trainers.
+  ``weigh_datums`` does it for a call's datums at once.
 * ``is_stale`` is the staleness rule of ``max_steps_off_policy``.
 
 Pure functions over values; nothing here waits, samples or trains.
@@ -39,17 +50,18 @@ Pure functions over values; nothing here waits, samples or trains.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from rlengine.errors import ConfigurationError
-from rlengine.rl.types import Trajectory, TrajectoryGroup
-from rlengine.types import Datum, LogprobTransform, ModelInput, TensorData
+from rlengine.rl.types import Trajectory, TrajectoryGroup, Transition
+from rlengine.types import Datum, LogprobTransform, ModelInput, SampledSequence, TensorData
 
-__all__ = ["GroupVerdict", "SampledDatum", "aggregation_weights", "assess_group", "group_advantages", "is_stale",
-           "overlong_penalty", "trajectory_datums", "trajectory_overlong_penalty", "weigh_datum"]
+__all__ = ["GroupVerdict", "SampledDatum", "aggregation_weights", "assess_group", "group_advantages", "group_datums",
+           "is_stale", "overlong_penalty", "trajectory_datums", "trajectory_overlong_penalty", "weigh_datum",
+           "weigh_datums"]
 
 
 class GroupVerdict(NamedTuple):
@@ -216,6 +228,111 @@ def trajectory_datums(trajectory: Trajectory, advantage: float, *, with_mask: bo
     return out
 
 
+def group_datums(trajectories: Sequence[Trajectory], advantages: Sequence[float], *,
+                 with_mask: bool) -> list[list[SampledDatum]]:
+    """``trajectory_datums(trajectories[k], advantages[k])`` for every ``k``, the single-turn
+    trajectories all at once (module docstring): the same datums, masks and versions, byte for byte."""
+    out: list[list[SampledDatum]] = [[] for _ in trajectories]
+    single: list[int] = []
+    for k, trajectory in enumerate(trajectories):
+        if len(trajectory.transitions) == 1 and _regular(trajectory.transitions[0].action):
+            single.append(k)
+        else:
+            out[k] = trajectory_datums(trajectory, advantages[k], with_mask=with_mask)
+    if single:
+        joined = _single_turn_datums([trajectories[k].transitions[0] for k in single],
+                                     [advantages[k] for k in single], with_mask)
+        for k, datums in zip(single, joined):
+            out[k] = datums
+    return out
+
+
+def _regular(action: SampledSequence) -> bool:
+    """Its logprobs and versions are one per token (the engine's always are)."""
+    n = len(action.tokens_raw)
+    return len(action.logprobs_raw) == n and len(action.versions_raw) == n
+
+
+def _single_turn_datums(transitions: list[Transition], advantages: Sequence[float],
+                        with_mask: bool) -> list[list[SampledDatum]]:
+    """The datum of each single-turn trajectory (``transitions``: its one turn), computed over the
+    group's tokens joined: what ``_Segment.datum`` computes sequence by sequence."""
+    prompts = [t.observation.prompt.tokens_raw for t in transitions]
+    actions = [t.action for t in transitions]
+    # A sequence of fewer than 2 tokens has no target: it makes no datum.
+    counts = [(len(p) + len(a.tokens_raw)) // 4 for p, a in zip(prompts, actions)]
+    made = [i for i, n in enumerate(counts) if n >= 2]
+    if not made:
+        return [[] for _ in transitions]
+    tokens = np.frombuffer(b"".join(raw for i in made for raw in (prompts[i], actions[i].tokens_raw)), np.int32)
+    if int(tokens.min()) < 0:
+        # ``ModelInput.from_ints`` refuses it: the per-trajectory path raises that error.
+        return [trajectory_datums(_one_turn(t), a, with_mask=with_mask) for t, a in zip(transitions, advantages)]
+    n = np.array([counts[i] for i in made])
+    p = np.array([len(prompts[i]) // 4 for i in made])
+    starts = np.zeros(len(made), dtype=np.int64)
+    np.cumsum(n[:-1], out=starts[1:])
+    # Per token of the joined sequences: sampled (an action's) or not, and the action's columns.
+    sampled = np.ones(tokens.shape[0], dtype=bool)
+    for start, length in zip(starts.tolist(), p.tolist()):
+        sampled[start:start + length] = False
+    logprobs = np.zeros(tokens.shape[0], dtype=np.float32)
+    logprobs[sampled] = np.frombuffer(b"".join(actions[i].logprobs_raw for i in made), np.float32)
+    versions = np.full(tokens.shape[0], -1, dtype=np.int64)
+    versions[sampled] = np.frombuffer(b"".join(actions[i].versions_raw for i in made), np.int32)
+    # Position t of a datum predicts its token t + 1: drop each sequence's first token's columns,
+    # and its last token from the inputs.
+    targets = np.delete(np.arange(tokens.shape[0]), starts)
+    inputs_raw = np.delete(tokens, starts + n - 1).tobytes()
+    mask = sampled[targets].astype(np.float32)
+    m = (n - 1).tolist()
+    # Each input's tensors for all the datums at once: one conversion and check per input.
+    columns = {
+        "target_tokens": tokens[targets].astype(np.int64),
+        "logprobs": logprobs[targets],
+        # float32(advantage) per token, times 0 or 1: -0.0 before a negative one, as a datum's own product.
+        "advantages": mask * np.repeat(np.array([advantages[i] for i in made], dtype=np.float64)
+                                       .astype(np.float32), m),
+    }
+    if with_mask:
+        columns["mask"] = mask
+    plain = len(columns)
+    # A datum without a transform takes the first `plain` inputs: the transform's come after them.
+    transforms = [actions[i].logprobs_transform for i in made]
+    if any(t is not None for t in transforms):
+        answers = (n - p).tolist()
+        for key, default, value in _TRANSFORM_COLUMNS:
+            column = np.full(tokens.shape[0], default, dtype=np.float32)
+            column[sampled] = np.repeat(np.array([default if t is None else value(t) for t in transforms],
+                                                 dtype=np.float32), answers)
+            columns[key] = column[targets]
+    keys = list(columns)
+    parts = [TensorData.from_numpy_parts(column, m) for column in columns.values()]
+    versions = versions[targets]
+    out: list[list[SampledDatum]] = [[] for _ in transitions]
+    at = 0
+    for d, (i, length, transform) in enumerate(zip(made, m, transforms)):
+        end = at + length
+        width = len(keys) if transform is not None else plain
+        inputs = {keys[c]: parts[c][d] for c in range(width)}
+        datum = Datum(model_input=ModelInput(tokens_raw=inputs_raw[at * 4:end * 4]), loss_fn_inputs=inputs)
+        out[i] = [SampledDatum(datum, mask[at:end], versions[at:end])]
+        at = end
+    return out
+
+
+_TRANSFORM_COLUMNS: tuple[tuple[str, float, Callable[[LogprobTransform], float]], ...] = (
+    ("temperature", 1.0, lambda t: t.temperature),
+    ("top_k", 0.0, lambda t: 0.0 if t.top_k == -1 else t.top_k),
+    ("top_p", 1.0, lambda t: t.top_p),
+)
+"""Each transform input: its value where no transform applies, and its value under one."""
+
+
+def _one_turn(transition: Transition) -> Trajectory:
+    return Trajectory(transitions=[transition])
+
+
 def aggregation_weights(masks: Sequence[np.ndarray], aggregation: str, max_tokens: int) -> list[float] | None:
     """Per datum of one ``forward_backward`` call (``masks``: each datum's sampled target tokens),
     the factor that turns the losses' sum over tokens into ``aggregation``; None where it is the
@@ -243,6 +360,25 @@ def aggregation_weights(masks: Sequence[np.ndarray], aggregation: str, max_token
     if aggregation == "seq_mean_token_sum_norm":
         return [1.0 / (max_tokens * sequences)] * len(tokens)
     raise ConfigurationError(f"loss_aggregation={aggregation!r}: not an aggregation")
+
+
+def weigh_datums(datums: Sequence[Datum], weights: Sequence[float]) -> list[Datum]:
+    """``weigh_datum(datums[k], weights[k])`` for every ``k``, each input's products computed over the
+    call's datums at once (elementwise: the same bytes)."""
+    inputs = [dict(d.loss_fn_inputs) for d in datums]
+    for key in ("advantages", "mask"):
+        have = [k for k, d in enumerate(inputs) if key in d]
+        if not have:
+            continue
+        columns = [inputs[k][key].to_numpy() for k in have]
+        if any(c.ndim != 1 for c in columns):
+            return [weigh_datum(d, w) for d, w in zip(datums, weights)]
+        lengths = [c.shape[0] for c in columns]
+        scaled = (np.concatenate(columns).astype(np.float64)
+                  * np.repeat(np.array([weights[k] for k in have], dtype=np.float64), lengths)).astype(np.float32)
+        for k, part in zip(have, TensorData.from_numpy_parts(scaled, lengths)):
+            inputs[k][key] = part
+    return [Datum(model_input=d.model_input, loss_fn_inputs=i) for d, i in zip(datums, inputs)]
 
 
 def weigh_datum(datum: Datum, weight: float) -> Datum:

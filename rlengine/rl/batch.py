@@ -44,10 +44,10 @@ from rlengine.rl.advantages import (
     SampledDatum,
     aggregation_weights,
     assess_group,
+    group_datums,
     is_stale,
-    trajectory_datums,
     trajectory_overlong_penalty,
-    weigh_datum,
+    weigh_datums,
 )
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import FORMAT_VERSION, DumpedDatum, DumpedGroup, ForwardBackwardCall, OptimStepCall, StepDump
@@ -91,13 +91,13 @@ def prepare_group(cfg: TrainConfig, group: TrajectoryGroup) -> PreparedGroup:
                            skip_constant_reward=cfg.skip_constant_reward, normalize=cfg.normalize_advantages,
                            overlong_filtering=cfg.overlong_filtering, penalties=penalties)
     with_mask = cfg.entropy_coef > 0 or cfg.kl_coef is not None  # the mask weighs the bonus and the KL
-    datums = []
-    for i, advantage in zip(verdict.kept, verdict.advantages):
-        trajectory = group.trajectories[i]
-        if cfg.loss_aggregation == "sequence":
-            # The old mode, kept exactly for runs stored with it: per trajectory, not per call.
-            advantage /= max(1, trajectory.sampled_tokens)
-        datums += [(i, j, d) for j, d in enumerate(trajectory_datums(trajectory, advantage, with_mask=with_mask))]
+    kept = [group.trajectories[i] for i in verdict.kept]
+    advantages = verdict.advantages
+    if cfg.loss_aggregation == "sequence":
+        # The old mode, kept exactly for runs stored with it: per trajectory, not per call.
+        advantages = [a / max(1, t.sampled_tokens) for a, t in zip(advantages, kept)]
+    made = group_datums(kept, advantages, with_mask=with_mask)
+    datums = [(i, j, d) for i, ds in zip(verdict.kept, made) for j, d in enumerate(ds)]
     return PreparedGroup(penalties, verdict, datums)
 
 
@@ -218,11 +218,17 @@ class StepBatch:
             self.staleness.append(self.updates - oldest)
         self.groups.append(DumpedGroup(group=item.index, attempt=item.attempt, rewards=verdict.rewards,
                                        trajectories=verdict.kept, advantages=verdict.advantages))
-        for i, j, (datum, mask, versions) in datums:
-            self.pending_datums.append(datum)
-            self.pending_keys.append((item.index, i, j))
-            self.masks.append(mask)
-            self.versions.append(np.where(versions >= 0, versions + shift, -1))
+        if datums:
+            # Engine versions -> policy versions for the group's datums at once (-1 stays: not sampled).
+            engine = np.concatenate([d.versions for _, _, d in datums])
+            policy = np.where(engine >= 0, engine + shift, -1)
+            at = 0
+            for i, j, (datum, mask, versions) in datums:
+                self.pending_datums.append(datum)
+                self.pending_keys.append((item.index, i, j))
+                self.masks.append(mask)
+                self.versions.append(policy[at:at + versions.shape[0]])
+                at += versions.shape[0]
         self.pending_groups += 1
         if cfg.num_minibatches > 1 and self.pending_groups >= cfg.groups_per_batch // cfg.num_minibatches:
             self._submit_minibatch()
@@ -259,8 +265,8 @@ class StepBatch:
         replay weighs nothing twice."""
         weights = aggregation_weights([self.masks[i] for i in idx], self.cfg.loss_aggregation, self.cfg.max_tokens)
         if weights is not None:
-            for i, weight in zip(idx, weights):
-                self.datums[i] = weigh_datum(self.datums[i], weight)
+            for i, datum in zip(idx, weigh_datums([self.datums[i] for i in idx], weights)):
+                self.datums[i] = datum
         self._issue(ForwardBackwardCall(datums=idx, loss_fn=self.cfg.loss_fn, loss_fn_config=self.cfg.loss_fn_config()))
 
     def _submit_minibatch(self) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from rlengine.types import ModelInput, SampledSequence, SamplingParams
 
@@ -159,10 +160,10 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, frozen=True):
 
     def versions(self) -> tuple[int, int] | None:
         """(oldest, newest) engine policy version over the group's sampled tokens."""
-        spans = [v for v in (t.versions() for t in self.trajectories) if v is not None]
-        if not spans:
-            return None
-        return min(v[0] for v in spans), max(v[1] for v in spans)
+        # One array for the group: a group of short answers holds about as many actions as tokens.
+        v = np.frombuffer(b"".join(t.action.versions_raw for trajectory in self.trajectories
+                                   for t in trajectory.transitions), dtype=np.int32)
+        return (int(v.min()), int(v.max())) if v.size else None
 
 
 class Env(abc.ABC):

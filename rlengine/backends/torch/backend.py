@@ -124,13 +124,13 @@ class _Seq:
         "want_prompt_logprobs",
     )
 
-    def __init__(self, req: BackendRequest, ids: np.ndarray, vocab_size: int, eos: frozenset[int],
-                 tokenizer: Any, constrained: Constrained | None) -> None:
+    def __init__(self, req: BackendRequest, ids: np.ndarray, prompt: list[int], vocab_size: int,
+                 eos: frozenset[int], tokenizer: Any, constrained: Constrained | None) -> None:
         p = req.params
         self.rid = req.request_id
         self.ids = ids
         """The prompt as int32 (the prefix cache's key)."""
-        self.prompt = ids.tolist()
+        self.prompt = prompt
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.reported = 0
@@ -268,11 +268,11 @@ class TorchBackend:
         if rid in self._active:
             raise InvalidRequest("request_id", rid, "already in the torch backend")
         prompt = np.frombuffer(request.prompt, dtype=np.int32)
-        n = prompt.shape[0]
+        n = len(ids := prompt.tolist())
         if n == 0:
             raise InvalidRequest("prompt", "[]", "must hold at least one token")
-        top = int(prompt.max())
-        if top >= self.vocab_size or int(prompt.min()) < 0:
+        top = max(ids)  # over the list the sequence keeps: cheaper than two numpy reductions of a short prompt
+        if top >= self.vocab_size or min(ids) < 0:
             raise InvalidRequest("prompt", top, f"token ids must be in [0, {self.vocab_size})")
         if request.max_tokens < 1 or n + request.max_tokens > self.max_model_len:
             raise InvalidRequest("max_tokens", request.max_tokens,
@@ -282,7 +282,7 @@ class TorchBackend:
         p = request.params
         constrained = (self.grammars.matcher(p.constraint, budget=request.max_tokens) if p.constraint is not None
                        else None)
-        self._waiting[rid] = _Seq(request, prompt, self.vocab_size, self.eos_ids, self.tokenizer, constrained)
+        self._waiting[rid] = _Seq(request, prompt, ids, self.vocab_size, self.eos_ids, self.tokenizer, constrained)
         self._active.add(rid)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
