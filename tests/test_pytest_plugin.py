@@ -23,8 +23,9 @@ RUN_TIMEOUT_S = 180.0
 
 def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     # Warnings are errors in the user's run too: an unclosed socket or a thread
-    # that raised at teardown would otherwise pass unseen.
-    return pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-W", "error", *args,
+    # that raised at teardown would otherwise pass unseen. The user's suite runs in its
+    # file's order (its last test checks what the earlier ones left), whatever order this one runs in.
+    return pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-W", "error", *args,
                                          timeout=RUN_TIMEOUT_S)
 
 
