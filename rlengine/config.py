@@ -104,7 +104,7 @@ class Placement(msgspec.Struct, kw_only=True, frozen=True):
     """Where the engine's data plane runs. ``local`` (the default): the backend in this
     process, on the engine's compute thread. ``ray``: ``sampler_replicas`` Ray actors, each
     running the configured backend (torch, vLLM, sim) with the same backend protocol, behind
-    this process's one gate, scheduler and loop (``rlengine.backends.ray_replicas``), and the
+    this process's one scheduler and loop (``rlengine.backends.ray_replicas``), and the
     trainer in this process or sharded (``trainer_workers``). Ray is imported only by the
     engine, and only when ``kind="ray"``.
 

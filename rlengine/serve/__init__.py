@@ -10,7 +10,7 @@ One role per module:
 * ``http_stream``      - streamed turns as server-sent events;
 * ``http_wire``        - request bodies and error responses;
 * ``chat_completions``, ``anthropic``, ``responses`` - each API translated to chat turns (no I/O);
-* ``sessions``         - ``SessionManager``: turns routed to a replica and submitted through the gate;
+* ``sessions``         - ``SessionManager``: turns routed to a replica and submitted to its scheduler;
 * ``retention``        - which sessions exist and for how long (``Retention``);
 * ``capture``          - exact trace capture, rewards, the export;
 * ``leases``           - turns in flight, abandoned or aborted;

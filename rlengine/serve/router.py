@@ -4,7 +4,7 @@
 session's first turn, choosing the least loaded one then: fewest requests in
 flight, then fewest pinned sessions, then the lowest index. A session stays
 on its replica for life, so its turns reuse that replica's prefix cache and
-run under that replica's gate.
+run under that replica's scheduler.
 
 Retiring a session leaves a *tombstone*: for ``ttl_s`` seconds any request
 naming it is refused as ``gone`` (HTTP 410), not ``not_found``, so a late

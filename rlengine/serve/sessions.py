@@ -1,10 +1,10 @@
-"""Agent sessions' front: turns routed to a replica and submitted through the gate, and the parts that keep them.
+"""Agent sessions' front: turns routed to a replica and submitted to its scheduler, and the parts that keep them.
 
 A session is one agent's conversation. It is opened with an unguessable
 token that every later request must carry; one session can neither read nor
 extend another's trace. Its turns run on the replica the ``SessionRouter``
 pinned it to, each validated and submitted by the engine (``Engine.submit_sample``), so each holds
-a gate lease from admission to settlement: a weight install seals, drains
+a lease of the scheduler from admission to settlement: a weight install seals, drains
 (or pauses) and reopens around it, and the session's next turn waits at the
 gate and runs on the new version, every sampled token recording its version.
 Sessions opened with a share key (the server's default) store a prompt that

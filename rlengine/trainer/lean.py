@@ -64,7 +64,8 @@ def _unsupported(model: Any, attention: str) -> str | None:
         return f"RoPE type {getattr(rotary, 'rope_type', None)!r} (the lean forward runs the default RoPE)"
     if model.training and getattr(cfg, "attention_dropout", 0.0):
         return f"attention dropout {cfg.attention_dropout} in training mode (the lean forward has none)"
-    if getattr(model, "is_gradient_checkpointing", False):
+    # What transformers' is_gradient_checkpointing reads, without its deprecation warning (5.19).
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         return "gradient checkpointing is on"
     if getattr(model, "use_kernels", False):
         return "hub kernels are on (they may replace the modules' forward)"

@@ -14,6 +14,8 @@ Last, the batch concatenation the training call now does in one join
 
 from __future__ import annotations
 
+import warnings
+
 import msgspec
 import numpy as np
 import pytest
@@ -162,6 +164,22 @@ def test_a_model_the_lean_path_does_not_serve_falls_back_to_hf_with_the_reason(m
     supported = TorchTrainer(models["tiny"]).model
     lean, path = lean_forward(supported, "eager")
     assert lean is None and path == "hf: attention implementation 'eager' (the lean forward is SDPA's)"
+
+
+def test_gradient_checkpointing_keeps_the_hf_forward_and_the_check_warns_nothing(models, monkeypatch):
+    model = TorchTrainer(models["tiny"]).model
+
+    def deprecated(self):  # as newer transformers have it: every `rlengine train` printed the warning
+        warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning, stacklevel=2)
+        return False
+
+    monkeypatch.setattr(type(model), "is_gradient_checkpointing", property(deprecated), raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lean_forward(model, "sdpa")[1] == "lean"
+        model.gradient_checkpointing_enable()
+        lean, path = lean_forward(model, "sdpa")
+    assert lean is None and path == "hf: gradient checkpointing is on"
 
 
 def test_a_model_fsdp2_has_sharded_is_another_class_and_keeps_the_hf_forward(models):
