@@ -21,6 +21,7 @@ It formats and writes; the figures come from the records the run hands over.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import math
 import sys
 import time
@@ -54,7 +55,9 @@ class Progress:
     def for_stream(cls, enabled: bool, stream: TextIO | None = None, every_s: float = 5.0) -> Progress:
         """A bar where ``stream`` (stderr) is a terminal, plain lines elsewhere, nothing when not ``enabled``."""
         stream = stream if stream is not None else sys.stderr
-        mode: Mode = "off" if not enabled else "bar" if stream.isatty() else "lines"
+        # A terminal without tqdm (a base install) gets the plain lines.
+        bar = stream.isatty() and importlib.util.find_spec("tqdm") is not None
+        mode: Mode = "off" if not enabled else "bar" if bar else "lines"
         return cls(mode, every_s=every_s, stream=stream)
 
     # -- the run's callbacks ---------------------------------------------------------------

@@ -436,8 +436,13 @@ def resolve(model: str, root: str, field: str = "model") -> str:
 
 def _from_hub_cache(repo_id: str, field: str) -> str:
     """The snapshot of ``repo_id`` in the local Hugging Face cache; never a download."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError as exc:  # a base install: no transformers, so no model of any kind
+        raise ConfigurationError(
+            f"{field}={repo_id!r}: a hub id is read from the local Hugging Face cache (rlengine never downloads "
+            f"models), which needs huggingface_hub ({exc}): pip install 'rlengine[torch]'") from None
 
     try:
         path = snapshot_download(repo_id, local_files_only=True)
