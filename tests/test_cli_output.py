@@ -19,9 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 300
 
 
+# What ``rlengine.console.quiet_third_party`` sets: a user's shell has none of them, so neither has
+# the command's environment here (an earlier in-process command may have left them in this one's).
+_LOG_VARIABLES = ("VLLM_LOGGING_", "TRANSFORMERS_", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TQDM_", "HF_HUB_DISABLE_")
+
+
 def rlengine(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT_S) -> tuple[int, str, str]:
+    plain = {k: v for k, v in os.environ.items() if not k.startswith(_LOG_VARIABLES)}
     proc = subprocess.run([sys.executable, "-m", "rlengine.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          timeout=timeout, check=False, env={**plain, "OMP_NUM_THREADS": "1", **(env or {})})
     return proc.returncode, proc.stdout, proc.stderr
 
 

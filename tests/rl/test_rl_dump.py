@@ -185,7 +185,7 @@ def test_a_corrupt_or_foreign_step_file_is_refused_naming_it(dumped, tmp_path):
         train(None, {"train_from": str(dumps)}, run_dir=str(tmp_path / "again"))
 
 
-def test_modes_that_contradict_each_other_or_find_no_dumps_are_refused(dumped, tmp_path, capsys):
+def test_modes_that_contradict_each_other_or_find_no_dumps_are_refused(dumped, tmp_path, capsys, monkeypatch):
     base, _ = dumped
     with pytest.raises(ConfigurationError, match="rollout_only=True: train_from="):
         train("copy", {"rollout_only": "true", "train_from": str(base / "dumps")}, run_dir=str(tmp_path / "a"))
@@ -212,6 +212,8 @@ def test_modes_that_contradict_each_other_or_find_no_dumps_are_refused(dumped, t
     with pytest.raises(RolloutDumpError, match="meta.json: missing"):
         train(None, {"train_from": str(tmp_path)}, run_dir=str(tmp_path / "i"))
     # The command line's flags are the same settings, refused the same way (exit 2, nothing started).
+    # The command sets its process's third-party log levels (rlengine.console): keep them out of this one's.
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     assert cli.main(["--rollout-only", "--train-from", str(base / "dumps"), "--run-dir", str(tmp_path / "j")]) == 2
     assert "rollout_only=True: train_from=" in capsys.readouterr().err
     assert cli.main(["dump_rollouts=x", "--dump-rollouts", "y", "--run-dir", str(tmp_path / "k")]) == 2
