@@ -87,19 +87,22 @@ def script_tokens(served: Served, text: str) -> list[int]:
     return [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
 
 
-def open_http_session(served: Served) -> dict[str, Any]:
-    """``POST /v1/sessions``: the session's id, token and own ``base_url``."""
+def openai_client(served: Served) -> Any:
+    """The official OpenAI client on ``served``'s HTTP server, with its key, no retries, bounded waits."""
     import openai
 
-    with openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT) as c:
+    return openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
+
+
+def open_http_session(served: Served) -> dict[str, Any]:
+    """``POST /v1/sessions``: the session's id, token and own ``base_url``."""
+    with openai_client(served) as c:
         return c.post("/sessions", body={}, cast_to=object)
 
 
 def http_trace(served: Served, opened: dict[str, Any]) -> dict[str, Any]:
     """``GET /v1/sessions/<id>/trace`` of a session ``open_http_session`` opened."""
-    import openai
-
-    with openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT) as c:
+    with openai_client(served) as c:
         return c.get(f"/sessions/{opened['session_id']}/trace", cast_to=object,
                      options={"headers": {"X-Session-Token": opened["token"]}})
 

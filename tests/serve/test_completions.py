@@ -14,7 +14,7 @@ import math
 
 import openai
 import pytest
-from serving import WAIT, Served
+from serving import WAIT, Served, openai_client
 
 import rlengine as rle
 from rlengine.serve import ServeConfig
@@ -32,7 +32,7 @@ def served(model_cache):
 
 @pytest.fixture
 def client(served):
-    with openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT) as c:
+    with openai_client(served) as c:
         yield c
 
 

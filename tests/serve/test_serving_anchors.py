@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serving import WAIT, Served, demo_tool_round_trip, sim_config
+from serving import WAIT, Served, demo_tool_round_trip, openai_client, sim_config
 
 import rlengine as rle
 from rlengine.serve import ServeConfig
@@ -36,7 +36,7 @@ def served():
 
 @pytest.fixture
 def client(served):
-    with openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT) as c:
+    with openai_client(served) as c:
         yield c
 
 
