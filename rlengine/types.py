@@ -41,6 +41,8 @@ __all__ = [
     "LossFnType",
     "ModelInput",
     "OptimStepResponse",
+    "PromptScores",
+    "PromptScoring",
     "Receipt",
     "SampleResponse",
     "SampledSequence",
@@ -57,8 +59,9 @@ __all__ = [
 StopReason = Literal["length", "stop", "abort"]
 LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES: tuple[str, ...] = ("raw", "processed")
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
+LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                             "stable_reinforce")
 
 _INT32_MAX = 2**31 - 1
 # The raw fields are little-endian on the wire; native order is used in
@@ -338,6 +341,34 @@ def unpack_top(tokens_raw: bytes, top_ids_raw: bytes, top_logprobs_raw: bytes) -
     return [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(n)]
 
 
+class PromptScoring(_Public):
+    """What a sample call asks of its prompt's positions beyond their own tokens' logprobs, computed from
+    the logits of the prefill that serves it (Tinker's ``target_prompt_logprobs`` and
+    ``prompt_alt_tokens_k``). Row i covers prompt position i + 1 (position 0 has no context), as for
+    prompt logprobs. The Tinker server checks it against the prompt and the backend (``SamplingCalls``)."""
+
+    target_ids_raw: bytes | None = None
+    """int32 token ids, ``target_k`` per prompt token after the first (row-major); -1: none wanted."""
+    target_k: NonNegativeInt = 0
+    alt_k: NonNegativeInt = 0
+    """Tokens to draw at every prompt position after the first: independently, with replacement, at
+    the sample's temperature (temperature 0: the most likely, ``alt_k`` times), from its seed."""
+
+
+class PromptScores(_Public):
+    """What a ``PromptScoring`` got (``SampleResponse.prompt_scores``). Every logprob is raw, the
+    ``log_softmax`` of the model's logits, as prompt logprobs are."""
+
+    target_k: int = 0
+    target_logprobs_raw: bytes | None = None
+    """float32, aligned with ``PromptScoring.target_ids_raw``; 0.0 where it held -1."""
+    alt_k: int = 0
+    alt_ids_raw: bytes | None = None
+    """int32, ``alt_k`` draws per prompt token after the first (row-major)."""
+    alt_logprobs_raw: bytes | None = None
+    """float32, the logprob of each draw."""
+
+
 class SampleResponse(_Public):
     """The result of one ``sample`` call: ``num_samples`` sequences."""
 
@@ -352,6 +383,17 @@ class SampleResponse(_Public):
     """k token ids (int32) per prompt token after the first, most likely first."""
     prompt_top_logprobs_raw: bytes | None = None
     """Their logprobs (float32), aligned with ``prompt_top_ids_raw``."""
+    prompt_cache_hit_tokens: int = 0
+    """Prompt tokens whose prefill the backend's prefix cache spared (Tinker's ``prompt_cache_hit_tokens``):
+    counted once for the prompt, as its first sample found them (the fewest over its samples); 0 where the
+    backend reports none (sim, vLLM)."""
+    prompt_scores: PromptScores | None = None
+    """With a ``PromptScoring`` asked for (the Tinker API's ``target_prompt_logprobs`` and
+    ``prompt_alt_tokens_k``): what it got; None otherwise."""
+    drafted_tokens: int = 0
+    """Tokens its sequences drafted under speculative decoding (the torch backend's
+    ``engine_args["speculative"]``); ``accepted_tokens``: those kept. 0 without drafting."""
+    accepted_tokens: int = 0
 
     @property
     def prompt_logprobs(self) -> list[float | None] | None:

@@ -44,8 +44,8 @@ import msgspec
 from rlengine.errors import ConfigurationError, FieldError, RLEngineError
 
 __all__ = [
-    "Bound", "FiniteFloat", "NonNegativeFloat", "NonNegativeInt", "Port", "PositiveFloat", "PositiveInt",
-    "check_integer", "check_number", "convert_error", "validate",
+    "MAX_ROLE_CHARS", "Bound", "FiniteFloat", "NonNegativeFloat", "NonNegativeInt", "Port", "PositiveFloat",
+    "PositiveInt", "check_integer", "check_number", "check_role", "convert_error", "validate",
 ]
 
 
@@ -324,6 +324,24 @@ def check_number(name: str, value: object, minimum: float | None, exclusive: boo
     ok, what = _value_check(float, bound, (float, minimum, exclusive, maximum))
     if not ok(value):
         _raise(ConfigurationError, name, value, f"must be {what}")
+
+
+MAX_ROLE_CHARS = 64
+"""Longest agent role name (a multi-agent episode's, an HTTP turn's ``X-RLEngine-Role``)."""
+
+
+def check_role(field: str, value: object, error: type[RLEngineError],
+               declared: typing.Collection[str] | None = None) -> str:
+    """``value`` as an agent role, or ``error`` naming ``field``: a non-empty string of at most
+    ``MAX_ROLE_CHARS`` printable characters, one of ``declared`` when roles are declared. One rule
+    for the RL episodes and the HTTP sessions, so a role valid in one is valid in the other."""
+    if not isinstance(value, str) or not value:
+        _raise(error, field, value, "must be a non-empty string (an agent role)")
+    if len(value) > MAX_ROLE_CHARS or not value.isprintable():
+        _raise(error, field, value, f"must be at most {MAX_ROLE_CHARS} printable characters")
+    if declared is not None and value not in declared:
+        _raise(error, field, value, f"not a declared role (declared: {', '.join(sorted(declared)) or 'none'})")
+    return value
 
 
 def convert_error(cls: type, exc: msgspec.ValidationError, given: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ MODEL_PLANE = ("torch", "transformers")
 
 def missing_imports(path: Path, seen: set[Path] | None = None) -> list[str]:
     """The absent top-level packages that ``path`` imports at module level (a helper module of
-    tests/ that it imports is followed)."""
+    tests/ or a module beside it that it imports is followed)."""
     seen = seen if seen is not None else set()
     if path in seen:
         return []
@@ -27,8 +27,8 @@ def missing_imports(path: Path, seen: set[Path] | None = None) -> list[str]:
             importorskip_of(node)
         for name in names:
             top = name.split(".")[0]
-            local = HERE / f"{top}.py"
-            if local.exists():
+            local = next((d / f"{top}.py" for d in (HERE, path.parent) if (d / f"{top}.py").exists()), None)
+            if local is not None:  # a helper module of tests/, or a test module beside this one
                 missing += missing_imports(local, seen)
             elif importlib.util.find_spec(top) is None:
                 missing.append(top)

@@ -94,10 +94,10 @@ def openai_client(served: Served) -> Any:
     return openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
 
 
-def open_http_session(served: Served) -> dict[str, Any]:
-    """``POST /v1/sessions``: the session's id, token and own ``base_url``."""
+def open_http_session(served: Served, **body: Any) -> dict[str, Any]:
+    """``POST /v1/sessions`` (with ``body``, e.g. ``roles=``): the session's id, token and own ``base_url``."""
     with openai_client(served) as c:
-        return c.post("/sessions", body={}, cast_to=object)
+        return c.post("/sessions", body=body, cast_to=object)
 
 
 def http_trace(served: Served, opened: dict[str, Any]) -> dict[str, Any]:

@@ -78,9 +78,10 @@ def test_importing_any_control_plane_module_loads_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
-# Underscore names that are public APIs: namedtuple's methods, and os._exit (a
-# sandbox child process ending without running the parent's cleanup).
-_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_exit"}
+# Underscore names that are public APIs: namedtuple's methods, os._exit (a
+# sandbox child process ending without running the parent's cleanup), and
+# sys._current_frames (every thread's stack, for a hang dump).
+_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_exit", "_current_frames"}
 
 
 def _defined_in(tree: ast.AST) -> set[str]:

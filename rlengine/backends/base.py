@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from rlengine.types import SamplingParams
+from rlengine.types import PromptScores, PromptScoring, SamplingParams
 
 __all__ = ["Backend", "BackendRequest", "Capabilities", "RequestOutput"]
 
@@ -43,6 +43,8 @@ class Capabilities(msgspec.Struct, kw_only=True, frozen=True):
     """The ``SamplingParams.logprobs_mode`` values it records; the first is its default."""
     prompt_top_logprobs: int = 0
     """The most ``BackendRequest.prompt_top_logprobs`` it reports (0: none)."""
+    prompt_scores: bool = False
+    """``BackendRequest.prompt_scoring`` (chosen tokens' logprobs and draws at prompt positions) is served."""
     why_not_sleep: str = ""
     """When ``sleep`` is False, why (shown by ``rlengine info``)."""
     batch_invariant: bool = False
@@ -78,17 +80,24 @@ class BackendRequest(msgspec.Struct, gc=False):
     affinity: str | None = None
     """What this sequence belongs with (its session, else its sample call): a backend that
     spreads requests over replicas keeps one affinity on one replica, where its prefix is cached."""
+    prompt_scoring: PromptScoring | None = None
+    """Also score the prompt's positions so (``RequestOutput.prompt_scores``); only where
+    ``Capabilities.prompt_scores``."""
 
 
 class RequestOutput:
     """What one ``step`` produced for one request: the *new* tokens only."""
 
     __slots__ = (
+        "accepted_tokens",
+        "cached_tokens",
+        "drafted_tokens",
         "error",
         "finished",
         "logprobs",
         "lost",
         "prompt_logprobs",
+        "prompt_scores",
         "prompt_top_ids",
         "prompt_top_logprobs",
         "request_id",
@@ -112,6 +121,7 @@ class RequestOutput:
         prompt_top_ids: Any = None,
         prompt_top_logprobs: Any = None,
         lost: bool = False,
+        cached_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -137,6 +147,15 @@ class RequestOutput:
         self.lost = lost
         """With ``error``: the request was lost with the replica that ran it (the engine fails it
         with ``ReplicaLost``, a known outcome) rather than failed by a live backend."""
+        self.cached_tokens = cached_tokens
+        """Prompt tokens whose KV the request took from the backend's prefix cache (or from a sample
+        of its group) instead of prefilling them; on the first output only (None: not reported)."""
+        self.drafted_tokens = 0
+        """Speculative decoding (torch backend): tokens drafted for this request since its previous
+        output; ``accepted_tokens`` of them were verified and kept (0 and 0 without speculation)."""
+        self.accepted_tokens = 0
+        self.prompt_scores: PromptScores | None = None
+        """What ``BackendRequest.prompt_scoring`` asked for; on the first output only."""
 
 
 @runtime_checkable

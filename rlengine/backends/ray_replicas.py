@@ -245,7 +245,8 @@ class ReplicaSet:
         first = self._start_all()
         name, caps, self.vocab_size, self.max_model_len = first
         self.name = f"ray[{placement.sampler_replicas}x{name}]"
-        self.capabilities = msgspec.convert(caps, Capabilities)
+        # The replicas' output wire carries no prompt scores: not served, rather than lost.
+        self.capabilities = msgspec.structs.replace(msgspec.convert(caps, Capabilities), prompt_scores=False)
 
     # -- replica lifecycle ------------------------------------------------------------
 

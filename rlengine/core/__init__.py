@@ -16,6 +16,8 @@ One role per module, each the single owner of its per-request records:
 * ``futures``   - ``RequestFuture``, what a caller holds per request;
 * ``config``    - ``EngineConfig`` and ``SimConfig``;
 * ``api_keys``  - the API key a loopback HTTP or Tinker server draws, and its 0600 file;
+* ``hangs``     - the hang watch: a dump of every thread, request and call when nothing
+  progresses (or on SIGUSR1), read from the engines' counters and snapshots;
 * ``clients``   - the in-process Tinker-style clients (``SamplingClient``,
   ``TrainingClient``), thin wrappers over ``Engine``.
 

@@ -7,6 +7,11 @@ Two ways to run it:
 * ``async with Engine(cfg) as engine`` runs on the caller's running loop;
   callers ``await`` the futures.
 
+A second engine on the same loop may run its backend on the first one's
+compute thread (``Engine(cfg, share_compute=first)``): a second model slot
+(a distillation teacher, ``rlengine.rl.teacher``) whose work queues behind
+the first's instead of competing with it for the cores.
+
 Either way all engine state lives on the loop thread. Other threads hand work
 in through a thread-safe inbox drained by one ``call_soon_threadsafe`` per
 burst (not one per request). Backend steps and training work run on one
@@ -53,6 +58,7 @@ from rlengine.core.scheduler import Scheduler
 from rlengine.core.submission import SubmissionAPI
 from rlengine.core.training import TrainingLane
 from rlengine.errors import EngineClosed, RLEngineError
+from rlengine.timeline import Timeline
 
 __all__ = ["Engine", "new_event_loop"]
 
@@ -61,8 +67,13 @@ class Engine(EngineLifecycle, SubmissionAPI, WeightInstalls):
     """Inference backend + trainer behind one admission-controlled FIFO; see the module docstring."""
 
     def __init__(self, config: EngineConfig | None = None, *, backend: Backend | None = None,
-                 trainer: Any = None) -> None:
+                 trainer: Any = None, share_compute: Engine | None = None, timeline: Timeline | None = None) -> None:
         self.config = config or EngineConfig()
+        self._timeline = timeline
+        self._timeline_label = "engine" if timeline is None else timeline.label("engine")
+        self._share_compute = share_compute
+        """A started engine whose compute thread this one's backend runs on (a second model slot
+        beside it: the two models never compute at once); None: a thread of its own."""
         self._given_backend = backend
         self._trainer = trainer
         self._given_trainer = trainer
@@ -151,6 +162,53 @@ class Engine(EngineLifecycle, SubmissionAPI, WeightInstalls):
         ``train_concurrently`` the training lane's (``train_busy_s``, ``train_runs``)."""
         lane = {} if self._lane is None else {"train_busy_s": self._lane.busy_s, "train_runs": self._lane.runs}
         return {"state": self.state, **(self._sampler.describe() if self._sampler else {}), **lane}
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where the engine records its requests, backend jobs, training calls and gate phases
+        (``rlengine.timeline``); None: nowhere (the default)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        """Start (or, with None, stop) recording; any thread, while the engine runs too."""
+        if timeline is not None and timeline is not self._timeline:
+            self._timeline_label = timeline.label("engine")
+        self._timeline = timeline
+        self._record_timeline()
+
+    def _record_timeline(self) -> None:
+        """Hand the timeline to the sampler loop and the training lane (each records its own events)."""
+        timeline, label = self._timeline, self._timeline_label
+        if self._sampler is not None:
+            self._sampler.record_to(timeline, label)
+        if self._lane is not None:
+            self._lane.track = 0 if timeline is None else timeline.track(f"{label} training")
+            self._lane.timeline = timeline
+
+    def progress(self) -> tuple[int, int]:
+        """(a count that grows with every backend step, blocking call and training call run, the
+        work pending: requests queued or in flight, blocking work, training calls). Safe from any
+        thread: the hang watch (``rlengine.core.hangs``) polls it."""
+        sampler, lane = self._sampler, self._lane
+        done, pending = (0, 0) if sampler is None else sampler.progress()
+        if lane is not None:
+            done, pending = done + lane.runs, pending + lane.pending
+        return done, pending
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the engine is doing, for a hang dump (``rlengine.core.hangs``): its state, its
+        requests in flight and queued with their ages, the install gate, and what its compute thread
+        and training lane run and for how long. Safe from any thread (``SamplerLoop.snapshot``)."""
+        out: dict[str, Any] = {"state": self.state, "model": self.model_name,
+                               "backend": None if self._backend is None else self._backend.name}
+        if self._compute is not None:
+            out["compute"] = self._compute.snapshot()
+        if self._lane is not None:
+            out["training_lane"] = self._lane.snapshot()
+        if self._sampler is not None:
+            out |= self._sampler.snapshot()
+        return out
 
     # -- clients ----------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ class EngineLifecycle:
     _ready: threading.Event
     _start_error: BaseException | None
     _compute: ComputeThread | None
+    _share_compute: Any
     _lane: TrainingLane | None
     _sampler: SamplerLoop | None
     _serve_task: asyncio.Task[None] | None
@@ -149,7 +150,7 @@ class EngineLifecycle:
     async def _bring_up(self) -> None:
         loop = asyncio.get_running_loop()
         self._loop_ident = threading.get_ident()
-        self._compute = ComputeThread()
+        self._compute = self._shared_compute(loop) or ComputeThread()
         made: list[Backend] = []
 
         def build() -> Backend:
@@ -168,7 +169,8 @@ class EngineLifecycle:
             # Start-up cancelled mid-build (a stop signal): the build runs on; the backend it makes,
             # which nobody will own, is closed after it on the same thread, and the thread then ends.
             self._compute.submit(loop, close_unowned)
-            self._compute.stop(0)
+            if self._share_compute is None:
+                self._compute.stop(0)
             raise
         self._sampler = SamplerLoop(self._backend, self._compute, continuous=self.config.resolved_continuous(),
                                     drain_policy=self.config.drain_policy,
@@ -181,9 +183,21 @@ class EngineLifecycle:
             elif mode == "on":
                 raise ConfigurationError(f"train_concurrently='on': the sampler runs on {device}, which the trainer "
                                          "shares (training must wait for the sampler to drain there)")
+        self._record_timeline()
         self._serve_task = loop.create_task(self._sampler.serve(), name="rlengine-sampler")
         self._state = "running"
         self._drain_inbox()
+
+    def _shared_compute(self, loop: asyncio.AbstractEventLoop) -> ComputeThread | None:
+        """The compute thread of ``share_compute`` (None without one): that engine must run, on this loop."""
+        other = self._share_compute
+        if other is None:
+            return None
+        if other._state != "running" or other._loop is not loop or other._compute is None:
+            raise RLEngineError(f"Engine(share_compute=...): the engine to share a compute thread with is "
+                                f"{other._state}{'' if other._loop is loop else ' on another loop'}; it must run "
+                                "on this engine's loop")
+        return other._compute
 
     def _build_backend(self) -> Backend:
         """Compute thread: resolve the backend, prepare the model, build the backend."""
@@ -299,7 +313,8 @@ class EngineLifecycle:
                 await asyncio.wait_for(trainer_thread.submit(asyncio.get_running_loop(), close_trainer), timeout)
         if lane is not None:
             await asyncio.to_thread(lane.thread.stop, timeout)
-        await asyncio.to_thread(compute.stop, timeout)
+        if self._share_compute is None:  # a shared thread is its owner's to stop
+            await asyncio.to_thread(compute.stop, timeout)
 
     def _finish_closed(self) -> None:
         died = self._sampler is not None and self._sampler.dead is not None \

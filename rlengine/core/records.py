@@ -21,6 +21,7 @@ them.
 from __future__ import annotations
 
 import struct
+import time
 from array import array
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -29,10 +30,17 @@ import msgspec
 
 from rlengine.core.futures import RequestFuture
 from rlengine.core.scheduler import Lease
-from rlengine.types import LogprobTransform, SampledSequence, SampleResponse, SamplingParams
+from rlengine.types import (
+    LogprobTransform,
+    PromptScores,
+    PromptScoring,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+)
 
 __all__ = ["BlockingWork", "Entry", "LeaseRequest", "OnTokens", "SampleRequest", "SampleSpec", "Sequence",
-           "new_blocking", "new_lease", "new_sample"]
+           "describe", "new_blocking", "new_lease", "new_sample"]
 
 _I32 = struct.Struct("<i")
 
@@ -50,6 +58,9 @@ class SampleSpec(msgspec.Struct, frozen=True, gc=False):
     prompt_logprobs: bool
     prompt_top_logprobs: int = 0
     """k > 0: the k most likely tokens at every prompt position after the first, with their logprobs."""
+    prompt_scoring: PromptScoring | None = None
+    """Chosen tokens' logprobs and draws at prompt positions; set by the Tinker API, which checks it
+    (``SamplingCalls.asample``), on a spec ``validate_sample`` made."""
 
 
 class SampleRequest(msgspec.Struct, gc=False):
@@ -71,6 +82,18 @@ class SampleRequest(msgspec.Struct, gc=False):
     prompt_logprobs_raw: bytes | None = None
     prompt_top_ids_raw: bytes | None = None
     prompt_top_logprobs_raw: bytes | None = None
+    prompt_scores: PromptScores | None = None
+    prompt_cache_hit_tokens: int | None = None
+    """The fewest prompt tokens any of its sequences took from the backend's prefix cache (None: none reported)."""
+    submitted_at: float = 0.0
+    """When it was made (``time.monotonic``): its age in a hang dump (``rlengine.core.hangs``)."""
+    admitted_at: float = 0.0
+    """When it was admitted; ``first_token_at``: when a streamed sequence of it first produced a
+    token (both kept only while a timeline records: ``rlengine.timeline``; 0 otherwise);
+    ``drafted``/``accepted``: speculative decoding's tokens (``SampleResponse.drafted_tokens``)."""
+    first_token_at: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
 
 
 class LeaseRequest(msgspec.Struct, gc=False):
@@ -82,6 +105,8 @@ class LeaseRequest(msgspec.Struct, gc=False):
     version: int | None
     session_id: str | None
     future: RequestFuture[Lease]
+    submitted_at: float = 0.0
+    """When it was made (``time.monotonic``)."""
 
 
 class BlockingWork(msgspec.Struct, gc=False):
@@ -103,6 +128,8 @@ class BlockingWork(msgspec.Struct, gc=False):
     noop: Callable[[], bool] | None = None
     before: Callable[[], None] | None = None
     after: Callable[[Any], Any] | None = None
+    submitted_at: float = 0.0
+    """When it was made (``time.monotonic``)."""
 
 
 Entry = SampleRequest | LeaseRequest | BlockingWork
@@ -110,18 +137,35 @@ Entry = SampleRequest | LeaseRequest | BlockingWork
 
 def new_sample(request_id: str, spec: SampleSpec, version: int | None, session_id: str | None,
                on_tokens: OnTokens | None, abort: Callable[[str], None]) -> SampleRequest:
-    return SampleRequest(request_id, spec, version, session_id, RequestFuture(request_id, abort), on_tokens)
+    return SampleRequest(request_id, spec, version, session_id, RequestFuture(request_id, abort), on_tokens,
+                         submitted_at=time.monotonic())
 
 
 def new_lease(request_id: str, session_id: str | None, version: int | None,
               abort: Callable[[str], None]) -> LeaseRequest:
-    return LeaseRequest(request_id, version, session_id, RequestFuture(request_id, abort))
+    return LeaseRequest(request_id, version, session_id, RequestFuture(request_id, abort), time.monotonic())
 
 
 def new_blocking(request_id: str, kind: str, run: Callable[[], Any], abort: Callable[[str], None], *,
                  noop: Callable[[], bool] | None = None, before: Callable[[], None] | None = None,
                  after: Callable[[Any], Any] | None = None) -> BlockingWork:
-    return BlockingWork(request_id, kind, run, RequestFuture(request_id, abort), noop, before, after)
+    return BlockingWork(request_id, kind, run, RequestFuture(request_id, abort), noop, before, after,
+                        time.monotonic())
+
+
+def describe(entry: Entry, now: float) -> dict[str, Any]:
+    """An entry for a hang dump (``SamplerLoop.snapshot``): its id, session, kind, age, state
+    (its lease's, else ``queued``) and, for a sample, its samples unfinished and tokens so far.
+    Reads plain attributes only: safe from any thread."""
+    lease = getattr(entry, "lease", None)
+    out = {"request_id": entry.request_id, "session_id": entry.session_id, "age_s": now - entry.submitted_at,
+           "kind": entry.kind if isinstance(entry, BlockingWork) else "sample" if isinstance(entry, SampleRequest)
+           else "lease",
+           "state": "queued" if lease is None else lease.state.value}
+    if isinstance(entry, SampleRequest):
+        out |= {"samples": entry.spec.num_samples, "unfinished": entry.remaining,
+                "tokens": sum(seq.length for seq in entry.seqs or ())}
+    return out
 
 
 class Sequence(msgspec.Struct, gc=False):

@@ -18,6 +18,11 @@ once (completed, aborted or failed), including on shutdown and engine death.
 Every sequence's tokens, logprobs and the version that produced each token
 accumulate here, as compact arrays. The scheduler owns the leases; this
 module settles a lease only through it.
+
+With a timeline (``record_to``: ``rlengine.timeline``) it records each
+request at its settlement, each backend job and the install gate's phases
+around each piece of blocking work; without one, that is one attribute
+check per admission, job and settlement.
 """
 
 from __future__ import annotations
@@ -30,19 +35,20 @@ from array import array
 from typing import Any
 
 from rlengine.backends.base import Backend, BackendRequest, RequestOutput
+from rlengine.core.blocking import BlockingWorkPart
 from rlengine.core.compute import ComputeThread
 from rlengine.core.futures import RequestFuture, settle_all
-from rlengine.core.records import BlockingWork, Entry, LeaseRequest, SampleRequest, Sequence
+from rlengine.core.records import BlockingWork, Entry, LeaseRequest, SampleRequest, Sequence, describe
 from rlengine.core.scheduler import LeaseState, Scheduler
 from rlengine.errors import (
     BackendRequestError,
-    DrainTimeout,
     EngineClosed,
     EngineDeadError,
     ReplicaLost,
     RequestAborted,
 )
 from rlengine.seeding import derive_seed
+from rlengine.timeline import Timeline
 from rlengine.types import Receipt, SampledSequence, SampleResponse
 
 __all__ = ["SamplerLoop"]
@@ -56,7 +62,7 @@ Outcome = tuple[RequestFuture[Any], bool, Any]
 """(future, ok, result or exception): a settlement, made in bulk by ``settle_all``."""
 
 
-class SamplerLoop:
+class SamplerLoop(BlockingWorkPart):
     """Admission, stepping and settlement; loop thread only (but the ``new_*`` constructors).
 
     Why one class: admission, stepping and settlement change the same request tables, and one
@@ -93,8 +99,25 @@ class SamplerLoop:
         self.steps = 0
         self.admitted = 0
         self.blocking_runs = 0
+        self.drafted_tokens = self.accepted_tokens = 0
+        """Tokens drafted and accepted by speculative decoding, since the engine started."""
         self.busy_s = 0.0
         """Seconds spent running backend steps (the RL loop derives the sampler's idle share)."""
+        self.timeline: Timeline | None = None
+        """Where requests, backend jobs and gate phases are recorded (``record_to``); None: nowhere,
+        at the cost of one attribute check per admission, job and settlement."""
+        self._tracks = (0, 0, 0)
+        """The timeline's tracks of this sampler: its compute thread, its gate, its requests."""
+        self._settling_at = 0.0
+        """While a backend job's outputs are applied, when it ended: the settlement time of the requests
+        it finished, for the timeline (one clock read per job, not per request); 0 otherwise."""
+
+    def record_to(self, timeline: Timeline | None, label: str = "engine") -> None:
+        """Record into ``timeline`` (None: stop), on tracks named after ``label``; any thread."""
+        if timeline is not None:
+            self._tracks = (timeline.track(f"{label} compute"), timeline.track(f"{label} gate"),
+                            timeline.track(f"{label} requests"))
+        self.timeline = timeline
 
     # -- the scheduler, for the engine (loop thread) -------------------------------------
 
@@ -227,7 +250,7 @@ class SamplerLoop:
                 seq = seqs[rid] = Sequence(request, 0, rid, seed)
                 request.seqs = [seq]
                 to_add.append(BackendRequest(rid, spec.prompt, params, seed, max_tokens, spec.prompt_logprobs, stream,
-                                             spec.prompt_top_logprobs, affinity))
+                                             spec.prompt_top_logprobs, affinity, spec.prompt_scoring))
             else:
                 request.seqs = []
                 for i in range(n):
@@ -237,8 +260,14 @@ class SamplerLoop:
                     seqs[seq.backend_id] = seq
                     to_add.append(BackendRequest(seq.backend_id, spec.prompt, params, seed, max_tokens,
                                                  spec.prompt_logprobs and i == 0, stream,
-                                                 spec.prompt_top_logprobs if i == 0 else 0, affinity))
+                                                 spec.prompt_top_logprobs if i == 0 else 0, affinity,
+                                                 spec.prompt_scoring if i == 0 else None))
             self.admitted += 1
+        if self.timeline is not None:
+            now = time.monotonic()
+            for request in admission.admitted:
+                if type(request) is SampleRequest:
+                    request.admitted_at = now
 
     def _backend_request(self, seq: Sequence, prompt: bytes) -> BackendRequest:
         """The backend request of ``seq``: its prompt (with its tokens so far, when it resumes),
@@ -251,7 +280,8 @@ class SamplerLoop:
         first = seq.index == 0 and not seq.length
         return BackendRequest(seq.backend_id, prompt, params, seq.seed, max(1, min(want - seq.length, room)),
                               spec.prompt_logprobs and first, self._stream or request.on_tokens is not None,
-                              spec.prompt_top_logprobs if first else 0, request.session_id or request.request_id)
+                              spec.prompt_top_logprobs if first else 0, request.session_id or request.request_id,
+                              spec.prompt_scoring if first else None)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -289,17 +319,23 @@ class SamplerLoop:
         # Cleared before the job starts: anything enqueued from now on stops
         # its step run, so new work waits at most one backend step.
         self._interrupt = False
+        timeline = self.timeline
+        began = time.monotonic() if timeline is not None else 0.0
         started = time.perf_counter()
         rejected, outs, steps = await self.compute.submit(
             asyncio.get_running_loop(), self._step_job, adds, aborts, step)
         self.busy_s += time.perf_counter() - started
         self.steps += steps
+        if timeline is not None:
+            self._settling_at = time.monotonic()
+            timeline.job(self._tracks[0], began, self._settling_at, steps, len(adds), len(outs), len(self._seqs))
         for backend_id, exc in rejected:
             seq = self._seqs.get(backend_id)
             if seq is not None:
                 self._fail_sample(seq.request, exc, unknown=False)
         settled: list[Outcome] = []
         self._apply(outs, -1 if version is None else version, settled)
+        self._settling_at = 0.0
         if self._wave_hold and self.scheduler.quiesced:
             settled += self._wave_hold
             self._wave_hold = []
@@ -309,6 +345,7 @@ class SamplerLoop:
 
     def _apply(self, outs: list[RequestOutput], version: int, settled: list[Outcome]) -> None:
         seqs = self._seqs
+        timed = self.timeline is not None
         for out in outs:
             seq = seqs.get(out.request_id)
             if seq is None:  # aborted while this step ran
@@ -318,12 +355,24 @@ class SamplerLoop:
                 seq.add(out.token_ids, out.logprobs, version, out.top_ids, out.top_logprobs,
                         adopt=request.on_tokens is None)
                 if request.on_tokens is not None:
+                    if timed and not request.first_token_at:  # a streamed request's prefill ends here
+                        request.first_token_at = self._settling_at
                     self._deliver(seq, out, version)
+            if out.drafted_tokens:
+                request.drafted += out.drafted_tokens
+                request.accepted += out.accepted_tokens
+                self.drafted_tokens += out.drafted_tokens
+                self.accepted_tokens += out.accepted_tokens
             if out.prompt_logprobs is not None:
                 request.prompt_logprobs_raw = array("f", out.prompt_logprobs).tobytes()
+            if out.cached_tokens is not None:
+                hit = request.prompt_cache_hit_tokens
+                request.prompt_cache_hit_tokens = out.cached_tokens if hit is None else min(hit, out.cached_tokens)
             if out.prompt_top_ids is not None:
                 request.prompt_top_ids_raw = array("i", out.prompt_top_ids).tobytes()
                 request.prompt_top_logprobs_raw = array("f", out.prompt_top_logprobs).tobytes()
+            if out.prompt_scores is not None:
+                request.prompt_scores = out.prompt_scores
             if out.error is not None:
                 if out.lost:
                     self._fail_sample(request, ReplicaLost(f"request {request.request_id}: {out.error}"),
@@ -357,7 +406,13 @@ class SamplerLoop:
                                   prompt_top_k=0 if request.prompt_top_ids_raw is None
                                   else request.spec.prompt_top_logprobs,
                                   prompt_top_ids_raw=request.prompt_top_ids_raw,
-                                  prompt_top_logprobs_raw=request.prompt_top_logprobs_raw)
+                                  prompt_top_logprobs_raw=request.prompt_top_logprobs_raw,
+                                  prompt_cache_hit_tokens=request.prompt_cache_hit_tokens or 0,
+                                  drafted_tokens=request.drafted, accepted_tokens=request.accepted,
+                                  prompt_scores=request.prompt_scores)
+        if self.timeline is not None:
+            self.timeline.request(self._tracks[2], request, "aborted" if aborted else "completed",
+                                  self._settling_at or time.monotonic())
         # Break the request <-> sequence cycle: both are untracked Structs, which the
         # cyclic collector never frees (it would keep every request alive).
         request.seqs = None
@@ -385,104 +440,13 @@ class SamplerLoop:
                 self.scheduler.mark_unknown(lease, str(exc))
             elif lease.state is not LeaseState.UNKNOWN:
                 self.scheduler.settle(lease, "failed")
+        if self.timeline is not None:
+            self.timeline.request(self._tracks[2], request, "failed", self._settling_at or time.monotonic())
         request.seqs = None  # the request <-> sequence cycle, as in _complete
         if settled is not None:
             settled.append((request.future, False, exc))
         else:
             request.future.set_exception(exc)
-
-    # -- blocking work --------------------------------------------------------------
-
-    def _pause_in_flight(self) -> None:
-        """Pause policy: abort running sequences in the backend, keeping their tokens."""
-        leases = []
-        for request in self._requests.values():
-            if request.lease is not None and request.lease.state is LeaseState.ACTIVE:
-                leases.append(request.lease)
-            for seq in request.seqs or ():
-                if self._seqs.pop(seq.backend_id, None) is not None:
-                    self._to_abort.append(seq.backend_id)
-                    self._paused.append(seq)
-        # Sequences admitted but not yet sent to the backend are paused too:
-        # the abort of an id the backend never saw is a no-op.
-        self._to_add.clear()
-        self.scheduler.pause_active(leases)
-
-    def _resume_paused(self) -> None:
-        """Continue paused sequences on the (new) weights: prompt + tokens so far."""
-        resumed, self._paused = self._paused, []
-        self.scheduler.resume_paused()
-        version = self.scheduler.version
-        for seq in resumed:
-            request = seq.request
-            if request.request_id not in self._requests:
-                continue
-            if self.scheduler.is_stale(request.version):
-                self._fail_sample(request, self.scheduler.stale_error(request), unknown=False)
-                continue
-            if version is not None and request.lease is not None:
-                request.lease.add_version(version)
-            seq.seed = derive_seed(seq.seed, seq.length)
-            self._seqs[seq.backend_id] = seq
-            done = seq.tokens.tobytes() if seq.tokens is not None else b""
-            self._to_add.append(self._backend_request(seq, request.spec.prompt + done))
-
-    async def _run_blocking(self, work: BlockingWork) -> None:
-        loop = asyncio.get_running_loop()
-        self.scheduler.pop_head()
-        self.scheduler.seal()
-        self._running_blocking = work
-        noop = work.noop is not None and work.noop()
-        try:
-            if noop:
-                # Nothing to do: in-flight samples keep running, nothing sleeps.
-                result = work.after(None) if work.after is not None else None
-            else:
-                if self._to_abort or self._to_add:
-                    await self._run_step(step=False)
-                if not self.asleep and self.backend.capabilities.sleep:
-                    await self.compute.submit(loop, self.backend.sleep, 1)
-                    self.asleep = True
-                if work.before is not None:
-                    work.before()
-                result = await self.compute.submit(loop, work.run)
-                if work.after is not None:
-                    result = work.after(result)
-        except Exception as exc:  # noqa: BLE001 - blocking work fails its own future only
-            work.future.set_exception(exc)
-        else:
-            work.future.set_result(result)
-        finally:
-            self._running_blocking = None
-            self.scheduler.reopen()
-            self.blocking_runs += 1
-        # Also after a no-op: it may be the last of a run of blocking entries
-        # that put the sampler to sleep or paused requests.
-        if self.scheduler.head_blocking() is None and not self._stopping:
-            await self._wake_sampler()
-
-    async def _wake_sampler(self) -> None:
-        if self.asleep and self.scheduler.version is not None:
-            await self.compute.submit(asyncio.get_running_loop(), self.backend.wake_up)
-            self.asleep = False
-        if self._paused:
-            self._resume_paused()
-
-    def _blocking_ready(self, head: BlockingWork) -> bool:
-        """Whether ``head`` may run now; applies the drain policy and deadline."""
-        if head.noop is not None and head.noop():
-            return True
-        if self.scheduler.quiesced:
-            return True
-        if self.drain_policy == "pause" and self._requests:
-            self._pause_in_flight()
-            return self.scheduler.quiesced
-        if self.scheduler.head_waited() > self.drain_timeout_s:
-            self.scheduler.pop_head()
-            head.future.set_exception(DrainTimeout(
-                f"{head.kind} {head.request_id}: {self.scheduler.in_flight} lease(s) still running after "
-                f"drain_timeout_s={self.drain_timeout_s}"))
-        return False
 
     # -- the loop -------------------------------------------------------------------
 
@@ -557,9 +521,29 @@ class SamplerLoop:
         settle_all(failed)
         self._signal()
 
+    # -- read-outs from any thread (the hang watch, ``rlengine.core.hangs``) ---------------
+
+    def progress(self) -> tuple[int, int]:
+        """(backend steps and blocking calls run: counts kept anyway, nothing added per token; the
+        requests and blocking work pending). Any thread: counters and ``len``."""
+        return (self.steps + self.blocking_runs,
+                len(self._requests) + len(self.scheduler) + (self._running_blocking is not None))
+
+    def snapshot(self) -> dict[str, Any]:
+        """For a hang dump: the requests in flight and queued (``records.describe``), the blocking
+        work running, the install gate. Any thread, no lock: each table is copied in one C-level step
+        (no Python code runs inside, so no loop callback interleaves), then plain attributes are read."""
+        now, work = time.monotonic(), self._running_blocking
+        return {"requests": [describe(r, now) for r in list(self._requests.values())],
+                "queued": [describe(e, now) for e in self.scheduler.queued()],
+                "blocking": None if work is None else {**describe(work, now), "state": "running"},
+                "asleep": self.asleep, "steps": self.steps, "dead": None if self.dead is None else str(self.dead),
+                "gate": self.scheduler.snapshot()}
+
     def describe(self) -> dict[str, Any]:
         return {"in_flight_sequences": len(self._seqs), "queued": len(self.scheduler),
                 "steps": self.steps, "busy_s": self.busy_s, "admitted": self.admitted,
                 "blocking_runs": self.blocking_runs,
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
                 "asleep": self.asleep,
                 "version": self.scheduler.version, "sealed": self.scheduler.sealed}

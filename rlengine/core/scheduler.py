@@ -36,7 +36,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import msgspec
 
@@ -168,6 +168,11 @@ class Scheduler:
                 self._pending.remove(entry)
                 return entry
         return None
+
+    def queued(self) -> list[Queued]:
+        """A copy of the FIFO, head first. Safe from any thread: ``list`` copies the deque in one
+        C-level step, which no loop callback can interleave with (the hang watch reads it)."""
+        return list(self._pending)
 
     def drain_pending(self) -> list[Queued]:
         entries = list(self._pending)
@@ -342,6 +347,22 @@ class Scheduler:
         if self._seals == 0:
             raise GateError("reopen() without a matching seal()")
         self._seals -= 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The install gate for a hang dump: sealed (and how many seals), the loaded version, the
+        FIFO's length, the blocking work at its head and how long it has waited there, the leases
+        by state and the unknown ones with their reasons. Safe from any thread: each table is copied
+        in one C-level step (no Python code runs inside, so the loop cannot interleave) and only
+        plain attributes are read; figures may be a moment apart."""
+        head, fifo, unknown = self._head, list(self._pending), list(self._unknown.values())
+        if head is not None and not (fifo and fifo[0] is head[0]):
+            head = None  # that entry has left the head (removed, drained) since it was looked at
+        return {"sealed": self._seals > 0, "seals": self._seals, "version": self.version, "queued": len(fifo),
+                "head_blocking": None if head is None else {"request_id": head[0].request_id,
+                                                            "waited_s": time.monotonic() - head[1]},
+                "leases_active": len(self._active), "leases_paused": len(self._paused),
+                "leases_unknown": [{"lease_id": x.lease_id, "request_id": x.request_id, "session_id": x.session_id,
+                                    "reason": x.reason} for x in unknown]}
 
     def assert_healthy(self) -> None:
         if self._unknown:

@@ -164,7 +164,7 @@ class SubmissionAPI:
         if self._state not in ("running", "closing") or dead is not None:
             future.set_exception(dead or EngineClosed(f"{kind}: the engine is {self._state}"))
         else:
-            self._call_soon(self._lane.submit, future, run)
+            self._call_soon(self._lane.submit, future, run, kind)
         return future
 
     def call_on_loop(self, fn: Callable[..., Any], *args: Any) -> RequestFuture[Any]:

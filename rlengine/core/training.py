@@ -29,6 +29,7 @@ from typing import Any
 
 from rlengine.core.compute import ComputeThread
 from rlengine.core.futures import RequestFuture
+from rlengine.timeline import Timeline, category
 
 __all__ = ["TrainingLane", "snapshot"]
 
@@ -48,13 +49,19 @@ class TrainingLane:
         self._count = 0
         self._running: int | None = None
         """The call the thread runs now (written by the thread: one reference, read on the loop)."""
+        self._running_call: Callable[[], Any] | None = None
+        """What that call runs (for ``snapshot``; written by the thread, read by anyone)."""
         self._closed: BaseException | None = None
         self.runs = 0
         self.busy_s = 0.0
         """Seconds spent running training calls (the RL loop's overlap figures)."""
+        self.timeline: Timeline | None = None
+        """Where each call is recorded, on the track ``track`` (``Engine.timeline``); None: nowhere."""
+        self.track = 0
 
-    def submit(self, future: RequestFuture[Any], run: Callable[[], Any]) -> None:
-        """Queue ``run`` (called on the lane's thread) to settle ``future``; loop thread."""
+    def submit(self, future: RequestFuture[Any], run: Callable[[], Any], kind: str = "training") -> None:
+        """Queue ``run`` (called on the lane's thread) to settle ``future``; loop thread. ``kind``
+        names the call in the timeline."""
         if self._closed is not None:
             future.set_exception(self._closed)
             return
@@ -62,21 +69,30 @@ class TrainingLane:
         key = self._count
         self._pending[key] = future
 
+        # When the call started and ended on the lane's thread (``time.monotonic``), for the timeline.
+        span = [0.0, 0.0]
+
         def call() -> tuple[Any, float]:
             if self._closed is not None:
                 return _Skipped(), 0.0
-            self._running = key
+            self._running, self._running_call = key, run
             started = time.perf_counter()
+            span[0] = time.monotonic()
             try:
                 return run(), time.perf_counter() - started
             finally:
-                self._running = None
+                self._running, self._running_call = None, None
                 self.busy_s += time.perf_counter() - started  # this thread alone writes it
+                span[1] = time.monotonic()
 
         done = self.thread.submit(self.loop, call)
-        done.add_done_callback(lambda f: self._finished(key, f))
+        done.add_done_callback(lambda f: self._finished(key, f, kind, span))
 
-    def _finished(self, key: int, done: asyncio.Future[Any]) -> None:
+    def _finished(self, key: int, done: asyncio.Future[Any], kind: str, span: list[float]) -> None:
+        timeline = self.timeline
+        if timeline is not None and span[1]:
+            part = category(kind)
+            timeline.span(self.track, kind, span[0], span[1], part, part=part)
         future = self._pending.pop(key)
         if done.cancelled():
             future.set_exception(self._closed or asyncio.CancelledError())
@@ -101,6 +117,13 @@ class TrainingLane:
     def pending(self) -> int:
         """Calls queued or running."""
         return len(self._pending)
+
+    def snapshot(self) -> dict[str, Any]:
+        """For a hang dump: the calls pending, the one running (its function) and its thread's
+        state (``ComputeThread.snapshot``). Safe from any thread: it reads counters and references."""
+        run = self._running_call
+        return {**self.thread.snapshot(), "pending": len(self._pending), "runs": self.runs,
+                "running": None if run is None else getattr(run, "__qualname__", repr(run))}
 
 
 def snapshot(weights: Any) -> Any:

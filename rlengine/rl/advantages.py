@@ -10,6 +10,14 @@
   (DAPO) a survivor whose last action was cut by the token limit keeps its
   reward in those statistics but is not kept for training; a group left with
   nothing to train is dropped (``overlong``).
+
+  A multi-agent group (trajectories with roles, ``types.MultiAgentEnv``) is
+  assessed role by role: each trainable role's trajectories are a group of
+  their own for all of the above (its baseline is its own attempts'
+  rewards), the verdicts joined; an untrainable role's trajectories are
+  never kept, and its rewards are not among the verdict's. The group is
+  dropped only when every trainable role is (for the first role's reason;
+  with no trainable role, ``too_few_survivors``).
 * ``overlong_penalty`` is DAPO's soft overlong punishment of one answer,
   ``trajectory_overlong_penalty`` that of a trajectory (its longest
   action's); ``assess_group`` adds it to each reward before anything else.
@@ -43,6 +51,12 @@
   reference KL token by token: scaling both scales every term of a token's
   objective alike, so the peers' means come out of unchanged trainers.
   ``weigh_datums`` does it for a call's datums at once.
+* ``add_token_advantages`` is the per-token path: a datum's advantages
+  scaled and a per-token term added (on-policy distillation's reverse KL to
+  a teacher, ``rlengine.rl.distill``), over a group's datums at once. The
+  scalar path above is untouched by it: the per-token term is added to the
+  datums it made. ``token_baseline`` centres such a term within a group
+  (leave-one-out mean at the same sampled-token index).
 * ``is_stale`` is the staleness rule of ``max_steps_off_policy``.
 
 Pure functions over values; nothing here waits, samples or trains.
@@ -53,15 +67,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from rlengine.errors import ConfigurationError
 from rlengine.rl.types import Trajectory, TrajectoryGroup, Transition
 from rlengine.types import Datum, LogprobTransform, ModelInput, SampledSequence, TensorData
 
-__all__ = ["GroupVerdict", "SampledDatum", "aggregation_weights", "assess_group", "group_advantages", "group_datums",
-           "is_stale", "overlong_penalty", "trajectory_datums", "trajectory_overlong_penalty", "weigh_datum",
-           "weigh_datums"]
+__all__ = ["GroupVerdict", "SampledDatum", "add_token_advantages", "aggregation_weights", "assess_group", "group_advantages", "group_datums",
+           "is_stale", "overlong_penalty", "token_baseline", "trajectory_datums", "trajectory_overlong_penalty",
+           "weigh_datum", "weigh_datums"]
 
 
 class GroupVerdict(NamedTuple):
@@ -110,6 +125,10 @@ def assess_group(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_co
                  penalties: Sequence[float] | None = None) -> GroupVerdict:
     """What becomes of ``group`` (see the module docstring); ``penalties``, one per trajectory,
     are added to the rewards first."""
+    if any(t.role is not None or not t.trainable for t in group.trajectories):
+        return _assess_roles(group, min_surviving_attempts=min_surviving_attempts,
+                             skip_constant_reward=skip_constant_reward, normalize=normalize,
+                             overlong_filtering=overlong_filtering, penalties=penalties)
     totals = group.total_rewards()
     if penalties is not None:
         totals = [r + p for r, p in zip(totals, penalties, strict=True)]
@@ -128,6 +147,38 @@ def assess_group(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_co
     if not kept:
         return GroupVerdict([], [], rewards, "overlong", failed, filtered)
     return GroupVerdict([i for i, _ in kept], [a for _, a in kept], rewards, None, failed, filtered)
+
+
+def _assess_roles(group: TrajectoryGroup, *, min_surviving_attempts: int, skip_constant_reward: bool,
+                  normalize: bool, overlong_filtering: bool, penalties: Sequence[float] | None) -> GroupVerdict:
+    """``assess_group`` of a multi-agent group: each trainable role assessed alone, the verdicts
+    joined (indices back into ``group``); see the module docstring."""
+    kept: list[tuple[int, float]] = []
+    rewards: list[float] = []
+    filtered: list[int] = []
+    failed = 0
+    dropped: list[str] = []
+    for indices in group.by_role().values():
+        if not group.trajectories[indices[0]].trainable:
+            continue
+        # The role's attempts as a single-agent group: the same rules, its own baseline.
+        alone = TrajectoryGroup(trajectories=[msgspec.structs.replace(group.trajectories[i], role=None)
+                                              for i in indices],
+                                group_rewards=[group.group_rewards[i] for i in indices])
+        verdict = assess_group(alone, min_surviving_attempts=min_surviving_attempts,
+                               skip_constant_reward=skip_constant_reward, normalize=normalize,
+                               overlong_filtering=overlong_filtering,
+                               penalties=None if penalties is None else [penalties[i] for i in indices])
+        kept += [(indices[k], a) for k, a in zip(verdict.kept, verdict.advantages)]
+        rewards += verdict.rewards
+        filtered += [indices[k] for k in verdict.filtered]
+        failed += verdict.failed
+        if verdict.dropped is not None:
+            dropped.append(verdict.dropped)
+    if not kept:
+        return GroupVerdict([], [], rewards, dropped[0] if dropped else "too_few_survivors", failed, sorted(filtered))
+    kept.sort()
+    return GroupVerdict([i for i, _ in kept], [a for _, a in kept], rewards, None, failed, sorted(filtered))
 
 
 def is_stale(oldest_version: int | None, current_version: int, max_steps_off_policy: int) -> bool:
@@ -379,6 +430,55 @@ def weigh_datums(datums: Sequence[Datum], weights: Sequence[float]) -> list[Datu
         for k, part in zip(have, TensorData.from_numpy_parts(scaled, lengths)):
             inputs[k][key] = part
     return [Datum(model_input=d.model_input, loss_fn_inputs=i) for d, i in zip(datums, inputs)]
+
+
+def add_token_advantages(datums: Sequence[Datum], scale: float, per_token: Sequence[np.ndarray]) -> list[Datum]:
+    """Each datum with ``advantages`` replaced by ``scale * advantages + per_token[k]`` (one value per
+    target token; zero where the datum's mask is, which the caller keeps so), in float32, computed over
+    the datums at once."""
+    columns = [d.loss_fn_inputs["advantages"].to_numpy() for d in datums]
+    lengths = [c.shape[0] for c in columns]
+    for k, (extra, n) in enumerate(zip(per_token, lengths)):
+        if np.shape(extra) != (n,):
+            raise ValueError(f"per_token[{k}]: shape {np.shape(extra)}, the datum has {n} target tokens")
+    if not datums:
+        return []
+    total = (np.concatenate(columns).astype(np.float64) * scale
+             + np.concatenate(per_token).astype(np.float64)).astype(np.float32)
+    out = []
+    for d, part in zip(datums, TensorData.from_numpy_parts(total, lengths)):
+        inputs = dict(d.loss_fn_inputs)
+        inputs["advantages"] = part
+        out.append(Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+    return out
+
+
+def token_baseline(terms: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Per-token terms of one group's datums, each less its leave-one-out baseline: at a datum's
+    ``k``-th sampled token (``masks[d] > 0``), the mean of the other datums' terms at their ``k``-th
+    sampled token; no baseline where no other datum has a ``k``-th; zero off the masks. In float64.
+
+    The baseline of a per-token reward (distillation's reverse KL to a teacher): its group mean at
+    the same position estimates the term's expectation there, and leaving the datum's own term out
+    keeps the gradient unbiased (RLOO)."""
+    if len(terms) != len(masks):
+        raise ValueError(f"terms: {len(terms)} arrays for {len(masks)} masks")
+    sampled = [np.asarray(m) > 0 for m in masks]
+    index = [np.cumsum(m) - 1 for m in sampled]  # k of each sampled token (meaningful where sampled)
+    values = [np.asarray(t, dtype=np.float64) for t in terms]
+    if not any(m.any() for m in sampled):
+        return [np.zeros_like(v) for v in values]
+    at = np.concatenate([i[m] for i, m in zip(index, sampled)])
+    width = int(at.max()) + 1
+    sums = np.bincount(at, np.concatenate([v[m] for v, m in zip(values, sampled)]), minlength=width)
+    counts = np.bincount(at, minlength=width)
+    out = []
+    for v, m, i in zip(values, sampled, index):
+        k = np.clip(i, 0, None)
+        others = counts[k] - 1
+        baseline = np.where(others > 0, (sums[k] - v) / np.maximum(others, 1), 0.0)
+        out.append(np.where(m, v - baseline, 0.0))
+    return out
 
 
 def weigh_datum(datum: Datum, weight: float) -> Datum:

@@ -17,6 +17,9 @@ is issued. Outside streaming, the datums are put in group order first:
 groups arrive in the order their rollouts finish, and the training must not
 depend on timing. ``train_metrics`` and ``record`` make the step's metrics
 line; every group also leaves one ledger entry saying what became of it.
+A multi-agent group's entry also says, per role, its trajectories, whether
+it trains and its surviving rewards (``roles``); each role's mean reward
+goes to the metrics line as ``reward_mean/role:<role>``.
 
 Every training call goes through one place (``_issue``), which also
 records it: ``to_dump`` turns the step into a ``dump.StepDump`` (the calls
@@ -33,6 +36,7 @@ of the run's stages or shutdown, and must not import torch.
 
 from __future__ import annotations
 
+import abc
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -59,7 +63,7 @@ from rlengine.types import AdamParams, Datum, TensorData
 if TYPE_CHECKING:
     from rlengine.core.clients import TrainingClient
 
-__all__ = ["RolloutResult", "StepBatch", "WorkItem"]
+__all__ = ["GroupScore", "GroupScorer", "PreparedGroup", "RolloutResult", "StepBatch", "WorkItem"]
 
 _FORWARD_INPUTS = ("target_tokens", "temperature", "top_k", "top_p")
 """What a recompute ``forward`` (``cross_entropy``) takes of a datum."""
@@ -71,6 +75,23 @@ class WorkItem(NamedTuple):
     builder: EnvGroupBuilder
 
 
+class GroupScore(NamedTuple):
+    """What a ``GroupScorer`` (a distillation teacher, ``rlengine.rl.distill``) measured on one group."""
+
+    scorer: str
+    """Who scored it (the teacher's name)."""
+    kl_sum: float
+    """Sum over the group's sampled tokens of ``logp_student - logp_teacher`` (reverse KL, k1)."""
+    tokens: int
+    """Sampled tokens scored."""
+    seconds: float
+    """Compute-thread time the scoring took."""
+    scorer_reward: float | None = None
+    """The scorer's own mean reward where measured (the teacher's evaluation)."""
+    scorer_bytes: int | None = None
+    """Memory the scorer holds (the teacher's parameters and KV cache)."""
+
+
 class PreparedGroup(NamedTuple):
     """What a group becomes whatever the step that takes it: its verdict and its datums."""
 
@@ -78,6 +99,19 @@ class PreparedGroup(NamedTuple):
     verdict: GroupVerdict
     datums: list[tuple[int, int, SampledDatum]]
     """(trajectory, datum of it, the datum): those of the kept trajectories."""
+    score: GroupScore | None = None
+    """A ``GroupScorer``'s measurements, when one rewrote the datums' advantages."""
+
+
+class GroupScorer(abc.ABC):
+    """Rewrites a prepared group's datums before training (per-token advantages from a teacher:
+    ``rlengine.rl.distill``). A recipe whose ``attach`` yields one has every group scored by it, in
+    the rollout worker that sampled the group (a group restored from a checkpoint: when the training
+    loop takes it)."""
+
+    @abc.abstractmethod
+    async def score(self, index: int, group: TrajectoryGroup, prepared: PreparedGroup) -> PreparedGroup:
+        """``prepared`` (of ``group``, builder index ``index``) with its datums rewritten and its ``score`` set."""
 
 
 def prepare_group(cfg: TrainConfig, group: TrajectoryGroup) -> PreparedGroup:
@@ -160,6 +194,8 @@ class StepBatch:
         self._parts: list[list[int]] | None = None
         self.recomputed: dict[str, float] = {}
         """The recompute pass's sampler-vs-trainer mismatch (``apply_recompute``)."""
+        self.scores: list[GroupScore] = []
+        """A ``GroupScorer``'s measurements of the groups taken in (``score_metrics``)."""
 
     def intake(self, result: RolloutResult) -> WorkItem | None:
         """One group into the step: stale filter, failures and survivors, advantages, datums.
@@ -179,7 +215,7 @@ class StepBatch:
             self.counts["groups_resampled_stale"] += 1
             self.ledger.append({**entry, "disposition": "resampled_stale"})
             return WorkItem(item.index, item.attempt + 1, item.builder)
-        penalties, verdict, datums = result.prepared or prepare_group(cfg, group)
+        penalties, verdict, datums, score = result.prepared or prepare_group(cfg, group)
         if (item.attempt < cfg.dynamic_sampling_attempts and verdict.dropped != "too_few_survivors"
                 and verdict.rewards and max(verdict.rewards) == min(verdict.rewards)):
             # Dynamic sampling: the same task again with new seeds, in place of a group that teaches nothing.
@@ -195,6 +231,9 @@ class StepBatch:
         self.counts["attempts_overlong_filtered"] += len(verdict.filtered)
         for tag in group.tags:
             self.tag_rewards.setdefault(tag, []).extend(verdict.rewards)
+        roles = _roles_record(group)
+        for role, record in roles.items():
+            self.tag_rewards.setdefault(f"role:{role}", []).extend(record["rewards"])
         for t in group.trajectories:
             if not t.failed:
                 for tr in t.transitions:
@@ -204,8 +243,13 @@ class StepBatch:
                     for i, t in enumerate(group.trajectories) if t.failure is not None]
         self.counts.update(f"attempts_failed_{f['kind']}" for f in failures)
         entry |= {"rewards": verdict.rewards, "tags": group.tags, "metadata": group.metadata}
+        if score is not None:
+            entry["scorer"] = score.scorer
+            self.scores.append(score)
         if failures:
             entry["failures"] = failures
+        if roles:
+            entry["roles"] = roles
         if verdict.filtered:
             entry["overlong_filtered"] = verdict.filtered
         if verdict.dropped is not None:
@@ -217,7 +261,9 @@ class StepBatch:
         if oldest is not None:
             self.staleness.append(self.updates - oldest)
         self.groups.append(DumpedGroup(group=item.index, attempt=item.attempt, rewards=verdict.rewards,
-                                       trajectories=verdict.kept, advantages=verdict.advantages))
+                                       trajectories=verdict.kept, advantages=verdict.advantages,
+                                       roles=[group.trajectories[i].role or "" for i in verdict.kept]
+                                       if roles else []))
         if datums:
             # Engine versions -> policy versions for the group's datums at once (-1 stays: not sampled).
             engine = np.concatenate([d.versions for _, _, d in datums])
@@ -472,9 +518,46 @@ class StepBatch:
             # The rewards above include it: reward_mean - overlong_penalty_mean is the mean before shaping.
             record["overlong_penalty_mean"] = (float(np.mean(self.overlong_penalties)) if self.overlong_penalties
                                                else float("nan"))
+        record |= self.score_metrics(wall)
         record |= {f"env/{k}": float(np.mean(v)) for k, v in sorted(self.env_metrics.items())}
         record |= {f"reward_mean/{k}": float(np.mean(v)) for k, v in sorted(self.tag_rewards.items())}
         return record
+
+    def score_metrics(self, wall: float) -> dict[str, float]:
+        """The ``GroupScorer``'s columns (none without one): ``teacher_kl_mean``, the mean per-token
+        reverse KL to the teachers over the step's sampled tokens (per teacher too, with several);
+        ``teacher_score_s`` and its share of the step (``teacher_score_frac``); the teachers' own
+        reward where measured (``teacher_reward_mean``, over the step's groups) and their memory."""
+        if not self.scores:
+            return {}
+        tokens = sum(s.tokens for s in self.scores)
+        seconds = sum(s.seconds for s in self.scores)
+        out = {"teacher_kl_mean": sum(s.kl_sum for s in self.scores) / tokens if tokens else float("nan"),
+               "teacher_tokens": tokens, "teacher_score_s": seconds,
+               "teacher_score_frac": seconds / wall if wall else 0.0}
+        names = sorted({s.scorer for s in self.scores})
+        if len(names) > 1:
+            for name in names:
+                own = [s for s in self.scores if s.scorer == name]
+                n = sum(s.tokens for s in own)
+                out[f"teacher_kl_mean/{name}"] = sum(s.kl_sum for s in own) / n if n else float("nan")
+                out[f"groups_scored/{name}"] = len(own)
+        rewards = [s.scorer_reward for s in self.scores if s.scorer_reward is not None]
+        if rewards:
+            out["teacher_reward_mean"] = float(np.mean(rewards))
+        held = [s.scorer_bytes for s in self.scores if s.scorer_bytes is not None]
+        if held:
+            out["teacher_bytes"] = max(held)
+        return out
+
+
+def _roles_record(group: TrajectoryGroup) -> dict[str, dict[str, Any]]:
+    """Per role of a multi-agent group (none for a single-agent one): its trajectories, whether it
+    trains, and the total rewards of its surviving ones: each role's traces, apart, for the ledger."""
+    totals = group.total_rewards()
+    return {str(role): {"trajectories": indices, "trainable": group.trajectories[indices[0]].trainable,
+                        "rewards": [totals[i] for i in indices if not group.trajectories[i].failed]}
+            for role, indices in group.by_role().items() if role is not None}
 
 
 def _failure_record(failure: Any) -> dict[str, Any]:

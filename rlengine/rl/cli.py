@@ -18,6 +18,10 @@
   to resume; a second signal exits at once (``rlengine.signals``). Signals
   are handled from the start, model building and engine start-up included.
 
+SIGUSR1 writes a hang dump to the run directory and the run goes on; one is
+also written when nothing progresses for ``hang_timeout_s``
+(``rlengine.core.hangs``; ``docs/debugging.md``).
+
 Without a recipe it runs ``copy``. Progress goes to stderr
 (``rlengine.rl.progress``): a bar on a terminal, else a plain line every few
 seconds. vLLM's, transformers' and torch's own logs are quiet unless ``-v``

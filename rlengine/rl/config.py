@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rlengine.errors import ConfigurationError
+from rlengine.timeline import DEFAULT_MAX_EVENTS
 from rlengine.validation import (
     Bound,
     FiniteFloat,
@@ -57,6 +58,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     by timing. False: faster sampling, reproducible only where batches form in a fixed
     order. vLLM has no batch-invariant mode on CPU: with it, such runs agree only to the
     last bits of their logprobs, and drift apart from there."""
+    speculative_k: NonNegativeInt = 0
+    """Speculative rollout on the torch backend (``engine_args["speculative"] = "ngram"``): each
+    sequence drafts up to this many tokens from its own context and one pass verifies them; 0: off.
+    The sampled tokens and logprobs are those of plain sampling (bitwise in a reproducible run), so
+    the training data does not change; only the speed does (docs/reproducibility.md)."""
     model: str | None = None
     """The model to train instead of the recipe's own (None): a Hugging Face directory, a ``.gguf`` file
     (``rlengine[gguf]``) or a hub id in the local HF cache; the recipe encodes with its tokenizer and
@@ -207,6 +213,20 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """Bound on every wait for one engine call of the training loop."""
     shutdown_grace_s: PositiveFloat = 3.0
     """After a failure or interrupt, how long stages get to stop before they are cancelled."""
+    hang_timeout_s: NonNegativeFloat | None = None
+    """With work pending and no token, settlement or training call for this long, write a hang
+    dump to the run directory (``hang-*.json``; the run goes on). None: max(120 s, 10x the longest
+    such quiet spell seen so far); 0: only on SIGUSR1 (``docs/debugging.md``)."""
+    timeline: bool = False
+    """Record every request, backend job, training call, gate phase, step and environment turn, and
+    write them to ``timeline.json`` in the run directory (Chrome trace-event JSON: Perfetto's UI opens
+    it; ``rlengine timeline RUN_DIR`` prints where each step's time went; ``docs/debugging.md``)."""
+    timeline_max_events: PositiveInt = DEFAULT_MAX_EVENTS
+    """The most events ``timeline.json`` holds: beyond it requests, backend jobs and environment turns
+    are sampled evenly (steps, training calls and gate phases are all kept)."""
+    timeline_otel: bool = False
+    """With ``timeline``, also send every event kept as an OpenTelemetry span (to the tracer provider
+    the process set up; needs ``opentelemetry-api``)."""
     target_reward: FiniteFloat = 0.9
     """The summary reports the first step whose mean reward reaches it."""
     wandb_project: str | None = None
@@ -292,8 +312,10 @@ CORRECTIONS = ("tis_cap", "mis_cap", "icepop_low", "icepop_high", "geo_mask_low"
 
 
 RESUME_MUTABLE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkpoints", "call_timeout_s",
-                            "episode_timeout_s", "shutdown_grace_s", "target_reward", "wandb_project", "cache_dir",
-                            "dump_rollouts", "placement", "sampler_replicas", "trainer_workers"})
+                            "episode_timeout_s", "shutdown_grace_s", "hang_timeout_s", "target_reward",
+                            "timeline", "timeline_max_events", "timeline_otel", "speculative_k",
+                            "wandb_project", "cache_dir", "dump_rollouts", "placement", "sampler_replicas",
+                            "trainer_workers"})
 """Settings a resumed run may change: they do not change what is sampled or trained (the
 placement moves the same computation: a different number of trainer workers sums each
 gradient in another order, a float rounding apart)."""

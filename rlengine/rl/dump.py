@@ -12,7 +12,8 @@ A dump directory holds
   config; ``optim_step`` with its ``AdamParams``), so a replay submits
   byte-identical calls; beside each datum its group, trajectory and
   segment, its loss mask and the policy version of each sampled token; the
-  trained groups (index, attempt, rewards, advantages); and what the step's
+  trained groups (index, attempt, rewards, advantages and, in a multi-agent
+  group, each trained trajectory's role); and what the step's
   metrics line needs of the rollouts (rewards, group counts, staleness,
   the environments' metrics).
 
@@ -73,6 +74,9 @@ class DumpedGroup(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     trajectories: list[int]
     """The trajectories trained, with ``advantages`` aligned to them."""
     advantages: list[float]
+    roles: list[str] = msgspec.field(default_factory=list)
+    """A multi-agent group: the role of each trajectory trained (aligned with ``trajectories``;
+    each role's advantages are against its own baseline); empty for a single-agent group."""
 
 
 class ForwardBackwardCall(msgspec.Struct, kw_only=True, frozen=True, gc=False, tag="forward_backward"):

@@ -103,6 +103,8 @@ class Evaluation:
         for task in running:
             group = task.result()
             for t, total in zip(group.trajectories, group.total_rewards()):
+                if not t.trainable:  # a multi-agent episode's untrained agents: not the policy's reward
+                    continue
                 if t.failed:
                     failed += 1
                 else:

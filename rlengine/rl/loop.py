@@ -87,7 +87,7 @@ from typing import Any
 
 from rlengine.core.engine import Engine
 from rlengine.errors import ConfigurationError
-from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem, prepare_group
+from rlengine.rl.batch import GroupScorer, PreparedGroup, RolloutResult, StepBatch, WorkItem, prepare_group
 from rlengine.rl.checkpoint import Checkpointer, LoopState, PendingGroup, restore_rng
 from rlengine.rl.checkpointing import RunCheckpoints
 from rlengine.rl.config import TrainConfig
@@ -106,14 +106,21 @@ __all__ = ["TrainingRun"]
 
 
 class TrainingRun(TrainingLoop):
-    """One run of the pipeline on a started engine; see the module docstring."""
+    """One run of the pipeline on a started engine; see the module docstring.
+
+    Why one class: its books (groups issued, sampled and not yet consumed) are written by the
+    dataloader and the workers and read by the training loop, the checkpoints and the hang watch;
+    split, each part would reach into another's state."""
 
     def __init__(self, engine: Engine, config: TrainConfig, dataset: RLDataset, eval_dataset: RLDataset | None,
                  log: RunLog, *, checkpointer: Checkpointer | None = None,
                  resume: tuple[str, LoopState] | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_eval: Callable[[dict[str, Any]], None] | None = None, evaluated: Sequence[int] = ()) -> None:
+                 on_eval: Callable[[dict[str, Any]], None] | None = None, evaluated: Sequence[int] = (),
+                 scorer: GroupScorer | None = None) -> None:
         self.engine = engine
+        self.scorer = scorer
+        """Rewrites each group's datums before training (a distillation teacher); None: none."""
         self.cfg = config
         self.dataset = dataset
         self.log = log
@@ -148,6 +155,8 @@ class TrainingRun(TrainingLoop):
         self._finished = False
         self._arrived: dict[int, int] = {}
         """Per batch, its groups whose first rollout came back (the fixed-lag schedule waits on them)."""
+        self.groups_arrived = 0
+        """Groups rolled out so far, retries included (the hang watch's progress)."""
         self._unconsumed: dict[int, RolloutResult] = {}
         """Groups sampled and not yet consumed by the training loop (a checkpoint keeps them)."""
         self._early: dict[int, list[RolloutResult]] = {}
@@ -157,7 +166,7 @@ class TrainingRun(TrainingLoop):
         self._v0 = 0
         self._clock0 = 0.0
         self._last_step_end = 0.0
-        self._last_busy: tuple[float | None, float | None] = (None, None)
+        self._last_busy: tuple[float | None, ...] = (None, None, None, None)
         self._dumps = step_files(config.train_from) if config.train_from is not None else []
         self._batch: StepBatch | None = None
         """The step being gathered or trained (None at a step boundary)."""
@@ -226,6 +235,8 @@ class TrainingRun(TrainingLoop):
         self.params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
         self._last_step_end = time.monotonic()
         self._last_busy = self._busy()
+        if self.engine.timeline is not None:  # the steps' breakdown counts the work from here on
+            self.engine.timeline.start_steps()
         if cfg.train_from is not None:
             stages: dict[str, Callable[[], Awaitable[None]]] = {"training loop": self._trainer}
         else:
@@ -253,10 +264,24 @@ class TrainingRun(TrainingLoop):
         item = result.item
         self.results_q.put_nowait(result)
         self._unconsumed[item.index] = result
+        self.groups_arrived += 1
         if item.attempt == 0:
             batch = item.index // self.cfg.groups_per_batch
             self._arrived[batch] = self._arrived.get(batch, 0) + 1
             self.supervisor.progress.set()
+
+    def progress(self) -> tuple[int, int]:
+        """For the hang watch: (groups rolled out plus steps finished, groups issued and not consumed)."""
+        return self.groups_arrived + self.step, len(self._issued)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The run's books for a hang dump; any thread (``sorted`` and ``len`` copy in one C-level step)."""
+        batch = self._batch
+        return {"step": self.step, "total_steps": self.total_steps, "updates": self.updates,
+                "groups_issued": sorted(self._issued)[:256], "groups_arrived": self.groups_arrived,
+                "groups_unconsumed": len(self._unconsumed), "work_queue": self.work_q.qsize(),
+                "results_queue": self.results_q.qsize(), "workers_left": self._workers_left,
+                "gathering": None if batch is None else {"step": batch.step, "groups_consumed": batch.consumed}}
 
     def _restore_sampled(self) -> None:
         """A resumed run's groups that its checkpoint holds sampled, back in the results queue."""
@@ -329,9 +354,16 @@ class TrainingRun(TrainingLoop):
                 group = await self.supervisor.until_aborted(rollout_group(
                     item.builder, self.sampler, self.params, seed, max_turns=self.cfg.max_turns,
                     episode_timeout_s=self.cfg.episode_timeout_s))
-                if group is not None:
-                    self._arrive(RolloutResult(item, group, time.monotonic() - started,
-                                               prepared=prepare_group(self.cfg, group)))
+                if group is None:
+                    continue
+                prepared: PreparedGroup | None = prepare_group(self.cfg, group)
+                if self.scorer is not None:
+                    # Scored here, beside the other groups' sampling, not on the step's critical path.
+                    prepared = await self.supervisor.until_aborted(self.scorer.score(item.index, group, prepared),
+                                                                    timeout=self.cfg.call_timeout_s)
+                    if prepared is None:
+                        continue
+                self._arrive(RolloutResult(item, group, time.monotonic() - started, prepared=prepared))
         finally:
             self._workers_left -= 1
             if self._workers_left == 0:

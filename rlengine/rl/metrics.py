@@ -4,9 +4,10 @@ The run directory holds
 
 * ``metrics.jsonl`` - one line per training step: ``step`` and
   ``reward_mean`` always, then the reward distribution, sampler-vs-trainer
-  logprob KL, staleness, tokens/s, step time, the sampler's idle share,
-  dropped and re-sampled groups, failed attempts, loss, entropy, grad norm
-  and the environments' own metrics (``env/<name>``);
+  logprob KL, staleness, tokens/s sampled and trained, step time, the
+  sampler's idle share, the process's memory (``memory_metrics``), dropped
+  and re-sampled groups, failed attempts, loss, entropy, grad norm and the
+  environments' own metrics (``env/<name>``);
 * ``eval.jsonl`` - one line per evaluation on the held-out split (``step``,
   ``reward_mean``, ...);
 * ``groups.jsonl`` - the group ledger: one line per group the training loop
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 from typing import IO, Any
 
 import msgspec
@@ -34,7 +36,28 @@ import numpy as np
 
 from rlengine.rl.types import FAILURE_KINDS
 
-__all__ = ["RunLog", "replace_file", "reward_stats", "summarize"]
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows has no getrusage
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["MEASURED", "RunLog", "measured", "memory_metrics", "replace_file", "reward_stats", "summarize"]
+
+MEASURED = frozenset({
+    "time_s", "step_time_s", "train_time_s", "eval_time_s", "sampler_idle_frac", "trainer_busy_frac",
+    "tokens_per_s", "tokens_trained_per_s", "rss_bytes", "rss_peak_bytes", "device_memory_peak_bytes",
+    "teacher_score_s", "teacher_score_frac", "teacher_bytes",
+    "spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance",
+})
+"""The metrics columns that measure the machine (time, memory, and speculative rollout's drafts,
+whose choice follows measured step costs) rather than the run: the only ones two runs of one
+seed may differ in (``measured`` leaves them out)."""
+
+
+def measured(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` without its ``MEASURED`` columns: what a run of the same seed must reproduce."""
+    return {k: v for k, v in row.items() if k not in MEASURED}
+
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -66,6 +89,37 @@ def replace_file(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def memory_metrics() -> dict[str, int]:
+    """The process's memory now, for a step's metrics line.
+
+    * ``rss_bytes`` - resident now (``/proc/self/statm``; absent where there is no ``/proc``);
+    * ``rss_peak_bytes`` - the most it has been resident so far (``getrusage``);
+    * ``device_memory_peak_bytes`` - where torch has CUDA in use (absent otherwise): the most torch
+      allocated on any device since the last call (``torch.cuda.max_memory_allocated``, whose peak
+      is then reset), so each step's line holds that step's peak. torch is never imported here: it
+      counts only when a backend or trainer already did.
+    """
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm", "rb") as f:
+        out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    if resource is not None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
+        # Linux's counters lag by up to a few dozen pages: a peak never reads below the RSS just read.
+        out["rss_peak_bytes"] = max(peak, out.get("rss_bytes", 0))
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        peaks = []
+        for device in range(torch.cuda.device_count()):
+            peak = torch.cuda.max_memory_allocated(device)
+            if peak:  # a device this process never allocated on is left alone
+                peaks.append(peak)
+                torch.cuda.reset_peak_memory_stats(device)
+        if peaks:
+            out["device_memory_peak_bytes"] = max(peaks)
+    return out
 
 
 def reward_stats(rewards: list[float], prefix: str = "reward") -> dict[str, float]:

@@ -33,6 +33,11 @@ waits for a generation nobody will read. Seeds are derived from the group's
 index and attempt, never drawn from shared state, so a resumed run samples
 what the uninterrupted one would have.
 
+A ``MultiAgentEnv`` episode runs as a task of its own, bounded like any
+episode; it gives one trajectory per agent (``rlengine.rl.multi_agent``),
+and its failure fails every agent's trajectory, so that each role's
+attempts stay aligned across the group.
+
 This module must not train, filter or compute advantages.
 """
 
@@ -57,6 +62,7 @@ from rlengine.rl.types import (
     AttemptFailure,
     Env,
     EnvGroupBuilder,
+    MultiAgentEnv,
     Observation,
     StepResult,
     Trajectory,
@@ -64,9 +70,10 @@ from rlengine.rl.types import (
     Transition,
 )
 from rlengine.seeding import mix_seed
+from rlengine.timeline import current as current_timeline
 from rlengine.types import SampledSequence, SamplingParams
 
-__all__ = ["rollout_group", "run_episode"]
+__all__ = ["rollout_group", "run_episode", "turn_params"]
 
 log = logging.getLogger("rlengine")
 
@@ -81,6 +88,13 @@ def _failure(stage: str, exc: BaseException, turn: int) -> AttemptFailure:
     if kind not in FAILURE_KINDS:
         kind = "http" if isinstance(exc, RequestError) else "timeout" if isinstance(exc, TimeoutError) else "other"
     return AttemptFailure(stage=stage, error=type(exc).__name__, message=str(exc)[:500], turn=turn, kind=kind)
+
+
+def _environment_done(name: str, started: float, **args: Any) -> None:
+    """An environment's call (``name``, since ``started``) into the run's timeline, if it records."""
+    timeline = current_timeline()
+    if timeline is not None:
+        timeline.environment(name, started, time.monotonic(), args)
 
 
 def _check_reward(where: str, value: object) -> float:
@@ -100,7 +114,8 @@ async def _sample(client: SamplingClient, observation: Observation, params: Samp
     return response.sequences[0]
 
 
-def _turn_params(base: SamplingParams, observation: Observation, seed: int) -> SamplingParams:
+def turn_params(base: SamplingParams, observation: Observation, seed: int) -> SamplingParams:
+    """``base`` for one turn: its seed, and the observation's ``max_tokens`` and extra stops."""
     changes: dict[str, object] = {"seed": seed}
     if observation.max_tokens is not None:
         changes["max_tokens"] = observation.max_tokens
@@ -114,8 +129,12 @@ async def _agent_episode(env: AgentEnv, params: SamplingParams, seed: int, max_t
                          metadata: dict[str, Any]) -> Trajectory:
     """One episode an ``AgentEnv`` drives; its failure (a crashed sandbox) fails the attempt, a
     sandbox pool that gave up (``SandboxUnavailable``) the run."""
+    started = time.monotonic()
     try:
-        trajectory = await env.run(params, seed, max_turns)
+        try:
+            trajectory = await env.run(params, seed, max_turns)
+        finally:
+            _environment_done("agent episode", started, env=type(env).__name__)
         if not isinstance(trajectory, Trajectory):
             raise TypeError(f"{type(env).__name__}.run returned {type(trajectory).__name__}, not a Trajectory")
         for turn, t in enumerate(trajectory.transitions):
@@ -147,12 +166,15 @@ async def run_episode(env: Env | AgentEnv, client: SamplingClient, params: Sampl
 
 async def _first_observation(env: Env, metadata: dict[str, Any]) -> Observation | Trajectory:
     """The episode's first observation, or its failed trajectory."""
+    started = time.monotonic()
     try:
         return await env.initial_observation()
     except (EngineDeadError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - the environment's failure, contained
         return Trajectory(transitions=[], failure=_failure("initial_observation", exc, 0), metadata=metadata)
+    finally:
+        _environment_done("initial observation", started, env=type(env).__name__)
 
 
 class _Episode:
@@ -178,7 +200,7 @@ class _Episode:
         """Sample (unless the action is given) and step one turn; the trajectory once it ended."""
         turn, observation, action = len(self.transitions), self.observation, self.action
         if action is None:
-            params = _turn_params(self.params, observation, mix_seed(self.seed, turn))
+            params = turn_params(self.params, observation, mix_seed(self.seed, turn))
             try:
                 action = await _sample(self.client, observation, params)
             except RequestError as exc:
@@ -186,8 +208,12 @@ class _Episode:
         if action.stop_reason == "abort":
             # The engine is shutting down; the loop is stopping this rollout anyway.
             raise asyncio.CancelledError(f"turn {turn}: the engine aborted the sample")
+        started = time.monotonic()
         try:
-            result = await self.env.step(action.tokens)
+            try:
+                result = await self.env.step(action.tokens)
+            finally:
+                _environment_done("env step", started, env=type(self.env).__name__, turn=turn)
             if not isinstance(result, StepResult):
                 raise TypeError(f"Env.step returned {type(result).__name__}, not a StepResult")
             reward = _check_reward(f"turn {turn} reward", result.reward)
@@ -237,6 +263,42 @@ async def _bounded_episode(env: Env | AgentEnv, client: SamplingClient, params: 
             kind="timeout"))
 
 
+async def _agents_episode(env: MultiAgentEnv, client: SamplingClient, params: SamplingParams, seed: int,
+                          max_turns: int, timeout_s: float) -> list[Trajectory]:
+    """One bounded ``MultiAgentEnv`` episode: a trajectory per agent; the episode's failure (the
+    environment's error, its deadline) fails each agent's, with the agent's role and flag."""
+    roles: list[tuple[str | None, bool]] = [(None, True)]
+    metadata: dict[str, Any] = {}
+    try:
+        agents = env.agents()
+        roles = [(a.role, a.trainable) for a in agents]
+        metadata = env.metadata()
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                trajectories = await env.run(client, params, seed, max_turns)
+        finally:
+            _environment_done("multi-agent episode", started, env=type(env).__name__)
+        if [(t.role, t.trainable) for t in trajectories] != roles:
+            raise ValueError(f"{type(env).__name__}.run returned the roles {[t.role for t in trajectories]}, not "
+                             f"one trajectory per agent of {[r for r, _ in roles]} (with their trainable flags)")
+        for t in trajectories:
+            for turn, transition in enumerate(t.transitions):
+                _check_reward(f"role {t.role!r} turn {turn} reward", transition.reward)
+    except (EngineDeadError, SandboxUnavailable, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the environment's failure (or its deadline), contained
+        failure = _failure("agent", exc, -1)
+        return [Trajectory(transitions=[], failure=failure, metadata=metadata, role=role, trainable=trainable)
+                for role, trainable in roles]
+    finally:
+        try:
+            await env.close()
+        except Exception:
+            log.warning("rlengine.rl: %s.close() failed", type(env).__name__, exc_info=True)
+    return [msgspec.structs.replace(t, metadata={**metadata, **t.metadata}) for t in trajectories]
+
+
 def _timed_out(timeout_s: float, started: float) -> Trajectory:
     return Trajectory(transitions=[], failure=AttemptFailure(
         stage="timeout", error="TimeoutError",
@@ -247,7 +309,7 @@ def _timed_out(timeout_s: float, started: float) -> Trajectory:
 async def _shared_first_turn(observation: Observation, n: int, client: SamplingClient, params: SamplingParams,
                              seed: int) -> list[SampledSequence] | RequestError:
     """The first turn of ``n`` attempts with one ``observation``, as one engine call."""
-    future = client.sample(observation.prompt, n, _turn_params(params, observation, mix_seed(seed, FIRST_TURN)))
+    future = client.sample(observation.prompt, n, turn_params(params, observation, mix_seed(seed, FIRST_TURN)))
     try:
         return list((await future).sequences)
     except asyncio.CancelledError:
@@ -338,10 +400,18 @@ async def rollout_group(builder: EnvGroupBuilder, client: SamplingClient, params
         trajectories = await _plain_group(envs, client, params, seed, max_turns, episode_timeout_s)  # type: ignore[arg-type]
     else:
         async with asyncio.TaskGroup() as tasks:
-            running = [tasks.create_task(_bounded_episode(env, client, params, mix_seed(seed, i), max_turns,
-                                                          episode_timeout_s)) for i, env in enumerate(envs)]
-        trajectories = [t.result() for t in running]
-    group_rewards = await builder.compute_group_rewards(trajectories)
+            running = [tasks.create_task(_agents_episode(env, client, params, mix_seed(seed, i), max_turns,
+                                                         episode_timeout_s) if isinstance(env, MultiAgentEnv)
+                                         else _bounded_episode(env, client, params, mix_seed(seed, i), max_turns,
+                                                               episode_timeout_s)) for i, env in enumerate(envs)]
+        # A multi-agent episode gives a trajectory per agent: the group holds them all, episode by episode.
+        results = [task.result() for task in running]
+        trajectories = [t for r in results for t in (r if isinstance(r, list) else [r])]
+    started = time.monotonic()
+    try:
+        group_rewards = await builder.compute_group_rewards(trajectories)
+    finally:
+        _environment_done("group rewards", started, builder=type(builder).__name__)
     if len(group_rewards) != len(trajectories):
         raise ValueError(f"{type(builder).__name__}.compute_group_rewards returned {len(group_rewards)} rewards "
                          f"for {len(trajectories)} trajectories")

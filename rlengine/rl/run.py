@@ -16,7 +16,9 @@ train`` calls and what a program may call instead:
    SIGINT or SIGTERM turned into ``TrainingRun.interrupt`` (a bounded,
    cascading stop that checkpoints the last step finished) and a second one
    exiting at once (``rlengine.signals``); a signal during start-up cancels
-   it (what had started closes) and the run ends before any step;
+   it (what had started closes) and the run ends before any step; a hang
+   watch (``rlengine.core.hangs``) dumps the engine, the run and its
+   sandboxes to the run directory when nothing progresses, or on SIGUSR1;
 4. the recipe's ``attach`` starts what its environments need beside the
    engine (a server, sandboxes; not for ``train_from``, which samples
    nothing), ``TrainingRun`` runs; both are closed, then the engine,
@@ -43,7 +45,9 @@ import msgspec
 from rlengine.backends import resolve_backend
 from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine, new_event_loop
+from rlengine.core.hangs import HangWatch, task_stacks
 from rlengine.errors import ConfigurationError
+from rlengine.rl.batch import GroupScorer
 from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
 from rlengine.rl.config import RESUME_MUTABLE, TrainConfig, convert
 from rlengine.rl.dump import read_meta, start_dump, step_files, step_path
@@ -62,7 +66,9 @@ from rlengine.rl.metrics import (
 )
 from rlengine.rl.plot import write_reward_png
 from rlengine.rl.recipes import Recipe, load_recipe
+from rlengine.rl.sandbox_pool import running_snapshots
 from rlengine.signals import StartUpInterrupted, StopSignals
+from rlengine.timeline import TIMELINE_FILE, Timeline, activate
 
 __all__ = ["RunOutcome", "build_config", "train"]
 
@@ -168,13 +174,19 @@ def _train_from_config(recipe_name: str | None, overrides: dict[str, Any]) -> tu
 def _engine_config(config: TrainConfig, base: EngineConfig) -> EngineConfig:
     """The recipe's engine settings plus what the run needs: seed, drain policy, room for
     every sequence a step may have in flight, a close no longer than the grace period,
-    batch-invariant sampling on the torch backend for a reproducible run, the run's
+    batch-invariant sampling on the torch backend for a reproducible run, speculative rollout
+    (``speculative_k``), the run's
     ``logprobs_mode``, its placement (``placement``, ``sampler_replicas``, ``trainer_workers``) and,
     when it samples ahead (``max_steps_off_policy`` > 0), training beside sampling."""
     in_flight = config.groups_per_batch * config.group_size * (config.max_steps_off_policy + 1)
     engine_args = base.engine_args
     if config.reproducible and resolve_backend(base) == "torch":
         engine_args = {**(engine_args or {}), "batch_invariant": True}
+    if config.speculative_k:
+        if resolve_backend(base) != "torch":
+            raise ConfigurationError(f"speculative_k={config.speculative_k}: speculative rollout is the torch "
+                                     f"backend's; this run's backend is {resolve_backend(base)!r}")
+        engine_args = {**(engine_args or {}), "speculative": "ngram", "speculative_k": config.speculative_k}
     mode = config.logprobs_mode
     if mode == "auto":
         mode = "processed" if resolve_backend(base) in ("torch", "vllm") else "raw"
@@ -244,6 +256,13 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
     checkpointer = Checkpointer(run_dir, config.keep_checkpoints)
     outcome = RunOutcome(run_dir=run_dir, metrics_path=log.metrics_path, summary={},
                          resumed_from=checkpoint[1].step if checkpoint else None)
+    # From start-up on: a SIGUSR1 then still shows every thread's stack (docs/debugging.md).
+    hangs = HangWatch(run_dir, prog="rlengine train", timeout_s=config.hang_timeout_s)
+    hangs.add_source("sandboxes", running_snapshots)
+    # ``timeline=true``: written to timeline.json when the run ends, however it ends.
+    timeline = Timeline(config.timeline_max_events, otel=config.timeline_otel) if config.timeline else None
+    if timeline is not None:
+        hangs.add_source("timeline", timeline.recent)
 
     async def main() -> None:
         run: TrainingRun | None = None
@@ -252,20 +271,28 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
             if run is not None:
                 run.interrupt(signum, name)
 
-        with signals.on_loop(asyncio.get_running_loop(), on_signal):
+        loop = asyncio.get_running_loop()
+        hangs.add_source("tasks", lambda: task_stacks(loop))
+        with signals.on_loop(loop, on_signal), signals.dumps(hangs.request_dump), hangs, activate(timeline):
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     async with signals.start_up():  # a signal cancels it (what started closes with the stack)
-                        engine = await stack.enter_async_context(Engine(engine_config))
+                        engine = await stack.enter_async_context(Engine(engine_config, timeline=timeline))
+                        hangs.watch("engine", engine)
+                        attached = None
                         if config.train_from is None:
-                            await stack.enter_async_context(the_recipe.attach(engine, dataset, eval_dataset))
+                            attached = await stack.enter_async_context(the_recipe.attach(engine, dataset,
+                                                                                         eval_dataset))
                 except StartUpInterrupted as exc:
                     raise RunInterrupted(exc.signum, signal.Signals(exc.signum).name) from None
                 replace_file(os.path.join(run_dir, ENGINE_FILE), msgspec.json.format(msgspec.json.encode(
                     {"backend": engine.backend.name, "capabilities": engine.backend.capabilities})))
                 evaluated = [e["step"] for e in read_jsonl(os.path.join(run_dir, EVAL_FILE))] if resume else []
+                # A recipe whose attach yields a GroupScorer (distillation's teachers) has the groups scored.
                 run = TrainingRun(engine, config, dataset, eval_dataset, log, checkpointer=checkpointer,
-                                  resume=checkpoint, on_step=on_step, on_eval=on_eval, evaluated=evaluated)
+                                  resume=checkpoint, on_step=on_step, on_eval=on_eval, evaluated=evaluated,
+                                  scorer=attached if isinstance(attached, GroupScorer) else None)
+                hangs.watch("run", run)
                 try:
                     await run.run()
                 finally:
@@ -279,6 +306,8 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
         outcome.stage = _stage_of(exc)
     finally:
         log.close()
+        if timeline is not None:
+            timeline.write(os.path.join(run_dir, TIMELINE_FILE))
     try:
         newest = checkpointer.latest()
     except CheckpointError as exc:

@@ -67,6 +67,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -74,12 +75,14 @@ import msgspec
 from rlengine.backends.torch.threads import THREAD_VARIABLES
 from rlengine.errors import RLEngineError
 from rlengine.rl.config import check_integer, check_number
+from rlengine.rl.sandbox_limits import hidden, limit, rlimits
 from rlengine.rl.sandbox_worker import WORKER_CONNECTION
+from rlengine.timeline import current as current_timeline
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["SandboxError", "SandboxPool", "SandboxUnavailable"]
+__all__ = ["SandboxError", "SandboxPool", "SandboxUnavailable", "running_snapshots"]
 
 log = logging.getLogger("rlengine")
 
@@ -120,56 +123,14 @@ _UID_SLOTS = 100
 
 _CONFINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_confine.py")
 
-
-def _reachable(path: str) -> bool:
-    """Whether other users can traverse a directory (or read a file) at ``path``."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    need = 0o005 if os.path.isdir(path) else 0o004
-    return mode & need == need
+_RUNNING: dict[int, SandboxPool] = {}
+"""The pools started and not yet closed, for hang dumps (``running_snapshots``). A plain dict: the
+watch's thread copies it in one C-level step."""
 
 
-def _hidden(needed: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """For the directories a worker under another uid needs: the topmost directory on each one's
-    path that other users cannot traverse, mapped to the needed directories under it (what
-    ``_confine.hide`` mounts back for the worker); and the needed directories that are themselves
-    closed to others (mounting them back would not open them)."""
-    dirs = sorted({os.path.realpath(d) for d in needed if os.path.isdir(d)})
-    dirs = [d for d in dirs if not any(d != o and d.startswith(o + os.sep) for o in dirs)]
-    plan: dict[str, list[str]] = {}
-    closed: list[str] = []
-    for d in dirs:
-        if not _reachable(d):
-            closed.append(d)
-            continue
-        parts = d.split(os.sep)
-        top = next((os.sep.join(parts[:i]) or os.sep for i in range(2, len(parts))
-                    if not _reachable(os.sep.join(parts[:i]))), None)
-        if top is not None:
-            plan.setdefault(top, []).append(d)
-    return plan, closed
-
-
-def _rlimits(limits: dict[str, int | None]) -> list[tuple[int, int]]:
-    """(resource, value) for every limit set: no core files, open files, address space, CPU time."""
-    import resource
-
-    settings = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, limits["open_files"]),
-                (resource.RLIMIT_AS, limits["address_space_bytes"]), (resource.RLIMIT_CPU, limits["cpu_seconds"])]
-    return [(which, value) for which, value in settings if value is not None]
-
-
-def _limit(pid: int, limits: dict[str, int | None]) -> None:
-    """Resource limits for a new worker of the trainer's own uid, set from outside (uvloop runs no
-    code between fork and exec). A root trainer's workers set them themselves (``_confine``),
-    before they give up root: from outside, limiting another uid's process needs CAP_SYS_RESOURCE."""
-    import resource
-
-    for which, value in _rlimits(limits):
-        with contextlib.suppress(ProcessLookupError):  # it died already: its exit says why
-            resource.prlimit(pid, which, (value, value))
+def running_snapshots() -> list[dict[str, Any]]:
+    """``SandboxPool.snapshot`` of every pool of this process that is running (any thread)."""
+    return [pool.snapshot() for pool in list(_RUNNING.values())]
 
 
 _STDERR_TAIL = 2048
@@ -177,8 +138,8 @@ _STDERR_TAIL = 2048
 
 
 class _Worker:
-    __slots__ = ("answered", "channel", "dead", "index", "pending", "proc", "reader", "stderr", "stderr_tail",
-                 "workdir")
+    __slots__ = ("answered", "channel", "dead", "index", "jobs", "pending", "proc", "reader", "stderr",
+                 "stderr_tail", "workdir")
 
     def __init__(self, index: int, proc: asyncio.subprocess.Process, workdir: str,
                  channel: socket.socket | None) -> None:
@@ -188,6 +149,8 @@ class _Worker:
         self.channel = channel
         """The pool's end of the channel that hands the worker its connections (None: no socket)."""
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.jobs: dict[int, tuple[Any, float]] = {}
+        """Per job in flight: its session and when it was sent (``time.monotonic``), for ``SandboxPool.snapshot``."""
         self.reader: asyncio.Task[None] | None = None
         self.stderr: asyncio.Task[None] | None = None
         self.stderr_tail = b""
@@ -262,6 +225,7 @@ class SandboxPool:
         ``SandboxUnavailable`` when a slot fails to start ``max_failed_starts`` times in a row."""
         self.socket_path = socket_path
         self._started = True
+        _RUNNING[id(self)] = self
         await asyncio.gather(*(self._replace(i) for i in range(self.size)))
         return self
 
@@ -275,13 +239,13 @@ class SandboxPool:
 
     @functools.cached_property
     def _hide_plan(self) -> dict[str, list[str]]:
-        """What a worker under another uid needs of directories closed to others (``_hidden``),
+        """What a worker under another uid needs of directories closed to others (``sandbox_limits.hidden``),
         worked out once per pool; it warns once about what such a worker cannot read at all."""
         import site
 
         needed = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
                   *site.getsitepackages(), *self._import_paths(), *self.readable]
-        plan, closed = _hidden(needed)
+        plan, closed = hidden(needed)
         if closed:
             log.warning("rlengine.rl: sandbox workers run under uids of their own and cannot read %s (closed to "
                         "other users): a worker module there cannot be imported", ", ".join(closed))
@@ -291,7 +255,7 @@ class SandboxPool:
         """The arguments that start a root trainer's worker through ``_confine`` (under ``uid``,
         what it needs of directories closed to others mounted back for it)."""
         plan = {"uid": uid, "hide": self._hide_plan, "stage": os.path.join(workdir, ".confine"),
-                "limits": _rlimits(self.limits)}
+                "limits": rlimits(self.limits)}
         return ("-I", _CONFINE, _encode(plan).decode())
 
     def _worker_env(self, workdir: str) -> dict[str, str]:
@@ -338,7 +302,7 @@ class SandboxPool:
                                                                name=f"rlengine-sandbox-stderr-{index}")
         try:
             if uid is None:
-                _limit(proc.pid, self.limits)
+                limit(proc.pid, self.limits)
             await self._await_ready(worker)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
@@ -485,6 +449,8 @@ class SandboxPool:
             worker = await self._replace(index)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         worker.pending[job_id] = future
+        sent = time.monotonic()
+        worker.jobs[job_id] = (job.get("session"), sent)
         try:
             async with asyncio.timeout(self.job_timeout_s):
                 try:
@@ -500,6 +466,11 @@ class SandboxPool:
                                "timeout") from None
         finally:
             worker.pending.pop(job_id, None)
+            worker.jobs.pop(job_id, None)
+            timeline = current_timeline()
+            if timeline is not None:  # the job's turn in the run's timeline (``rlengine.timeline``)
+                timeline.environment("sandbox job", sent, time.monotonic(),
+                                     {"slot": index, "job": job_id, "session": str(job.get("session"))})
         if not answer.get("ok"):
             kind = answer.get("kind")
             raise SandboxError(f"sandbox {index}: {answer.get('error', 'failed')}",
@@ -507,9 +478,26 @@ class SandboxPool:
         result = answer.get("result")
         return result if isinstance(result, dict) else {}
 
+    def snapshot(self) -> dict[str, Any]:
+        """The pool for a hang dump: per slot its worker's pid, whether it lives, and the episodes
+        in flight on it (job id, session, seconds since sent). Safe from any thread: each table is
+        copied in one C-level step and plain attributes are read (a job just ended may still show)."""
+        now = time.monotonic()
+        slots = []
+        for index, worker in enumerate(list(self._workers)):
+            if worker is None:
+                slots.append({"slot": index, "pid": None, "alive": False, "jobs": []})
+                continue
+            slots.append({"slot": index, "pid": worker.proc.pid, "alive": worker.alive, "answered": worker.answered,
+                          "jobs": [{"job": job_id, "session": session, "age_s": now - sent}
+                                   for job_id, (session, sent) in list(worker.jobs.items())]})
+        return {"module": self.module, "size": self.size, "spawned": self.spawned, "crashed": self.crashed,
+                "broken": None if self._broken is None else str(self._broken), "workers": slots}
+
     async def aclose(self) -> None:
         """End every worker: stdin closed (they finish and exit), killed after ``grace_s``."""
         self._closed = True
+        _RUNNING.pop(id(self), None)
         if self._spawning:  # a worker starting now must be ended too
             await asyncio.gather(*self._spawning.values(), return_exceptions=True)
         workers = [w for w in self._workers if w is not None]

@@ -40,15 +40,16 @@ from typing import Any
 
 from rlengine.core.clients import TrainingClient
 from rlengine.core.engine import Engine
-from rlengine.rl.batch import RolloutResult, StepBatch, WorkItem
+from rlengine.rl.batch import GroupScorer, RolloutResult, StepBatch, WorkItem, prepare_group
 from rlengine.rl.checkpoint import LoopState, PendingGroup, SampledGroup, capture_rng
 from rlengine.rl.checkpointing import RunCheckpoints
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.dump import read_step, write_step
 from rlengine.rl.errors import FailureBudgetExceeded, RunInterrupted
 from rlengine.rl.evaluation import Evaluation
-from rlengine.rl.metrics import RunLog
+from rlengine.rl.metrics import RunLog, memory_metrics
 from rlengine.rl.supervisor import Supervisor, awaited
+from rlengine.timeline import Timeline
 from rlengine.types import AdamParams
 
 __all__ = ["TrainingLoop"]
@@ -85,8 +86,9 @@ class TrainingLoop:
     _finished: bool
     _clock0: float
     _last_step_end: float
-    _last_busy: tuple[float | None, float | None]
+    _last_busy: tuple[float | None, ...]
     engine: Engine
+    scorer: GroupScorer | None
     resume: tuple[str, LoopState] | None
     cursor: int
     _v0: int
@@ -145,6 +147,9 @@ class TrainingLoop:
                                         self.updates, self._policy_version)
         while batch.consumed < self.cfg.groups_per_batch:
             result = await self._next_result_for(step)
+            if result is not None and result.prepared is None and self.scorer is not None:
+                # Restored from a checkpoint, sampled by an earlier process: scored only now.
+                result = await self._scored(result)
             if result is None:
                 return None
             self._intake(result, batch)
@@ -173,6 +178,14 @@ class TrainingLoop:
             raise RuntimeError(f"step {self.step + 1}: every rollout worker stopped before the step had its "
                                f"{self.cfg.groups_per_batch} groups")
         return result
+
+    async def _scored(self, result: RolloutResult) -> RolloutResult | None:
+        """``result`` prepared and scored by the run's ``scorer``; None on abort."""
+        assert self.scorer is not None
+        prepared = await self.supervisor.until_aborted(
+            self.scorer.score(result.item.index, result.group, prepare_group(self.cfg, result.group)),
+            timeout=self.cfg.call_timeout_s)
+        return None if prepared is None else result._replace(prepared=prepared)
 
     def _intake(self, result: RolloutResult, batch: StepBatch) -> None:
         """One group into the step's batch (``StepBatch.intake``) and into the dataloader's books:
@@ -249,10 +262,19 @@ class TrainingLoop:
         busy = self._busy()
         wall = now - self._last_step_end
         share = [min(1.0, max(0.0, (b - last) / wall)) if wall and b is not None and last is not None else None
-                 for b, last in zip(busy, self._last_busy)]
+                 for b, last in zip(busy[:2], self._last_busy[:2])]
         record = batch.record(self.updates, train_metrics, wall=wall, train_time_s=now - train_started,
                               sampler_idle_frac=None if share[0] is None else 1.0 - share[0],
                               trainer_busy_frac=share[1], time_s=now - self._clock0)
+        # Beside tokens_per_s (sampled, per second of the step): trained, per second of its training.
+        trained, train_s = train_metrics.get("sampled_tokens_trained", 0), now - train_started
+        record |= {"tokens_trained_per_s": trained / train_s if train_s else 0.0, **memory_metrics()}
+        drafted, accepted = (int(b - (last or 0)) if b is not None else 0 for b, last in zip(busy[2:], self._last_busy[2:]))
+        if drafted:  # speculative decoding drafted this step (torch backend, engine_args["speculative"])
+            record |= {"spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted,
+                       "spec_acceptance": accepted / drafted}
+        if self.engine.timeline is not None:
+            self._record_step(self.engine.timeline, step, self._last_step_end, train_started, now)
         self._last_step_end, self._last_busy = now, busy
         # The step is complete: advance, and snapshot the loop state before any
         # await lets the dataloader issue the next batch.
@@ -273,6 +295,14 @@ class TrainingLoop:
         if self.evaluation.due(step):
             self.evaluation.request(step)
         return True
+
+    def _record_step(self, timeline: Timeline, step: int, start: float, train_started: float, end: float) -> None:
+        """The step into the timeline, over the same bounds as its metrics line: gathering its groups,
+        then recomputing, training and installing; the step's breakdown is the timeline's."""
+        track = timeline.track("rl steps")
+        timeline.step(step, start, end, {"version": self.updates})
+        timeline.span(track, "gather", start, train_started, "step")
+        timeline.span(track, "train", train_started, end, "step")
 
     def _check_failures(self, batch: StepBatch) -> None:
         """Stop the run when the failure shares of the last steps exceed ``max_failure_share``."""
@@ -332,12 +362,13 @@ class TrainingLoop:
                          pending=sorted(self._issued.values(), key=lambda p: p.index), sampled=sampled,
                          rng=capture_rng(), elapsed_s=time.monotonic() - self._clock0)
 
-    def _busy(self) -> tuple[float | None, float | None]:
-        """Seconds the engine's sampler has spent in backend steps, and its training lane in
-        training calls (each None if the engine does not say: no lane, training blocks sampling)."""
+    def _busy(self) -> tuple[float | None, ...]:
+        """Seconds the engine's sampler has spent in backend steps and its training lane in training
+        calls, then the tokens speculative decoding drafted and accepted, so far (each None if the
+        engine does not say: no lane, training blocks sampling)."""
         stats = self.engine.stats()
-        return tuple(None if stats.get(key) is None else float(stats[key])  # type: ignore[return-value]
-                     for key in ("busy_s", "train_busy_s"))
+        return tuple(None if stats.get(key) is None else float(stats[key])
+                     for key in ("busy_s", "train_busy_s", "drafted_tokens", "accepted_tokens"))
 
     async def _call(self, future: Any) -> Any:
         """Await one engine call of the training loop, bounded and abort-aware."""

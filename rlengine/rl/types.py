@@ -15,6 +15,14 @@ Shaped like the Tinker cookbook's, so its users feel at home:
   (``rlengine.sandbox_client``) and sends its reward there: ``run`` returns the
   ``Trajectory``, built from the session's exact trace (see
   ``rlengine.rl.sandbox``). Its exceptions fail the attempt, as ``Env``'s do.
+* ``MultiAgentEnv`` - an episode in which several agents act, each an ``Agent``:
+  a role, a model slot (the policy trained, or any sampler: a frozen model,
+  a teacher, a scripted agent) and whether it trains. ``run`` returns one
+  ``Trajectory`` per agent, carrying its role and flag; a group's attempts
+  of one role are compared only with each other (``advantages``) and an
+  untrainable role's trajectories never reach the trainer. The turn-taking
+  shape (``step(role, action)``) and the HTTP sessions' roles are in
+  ``rlengine.rl.multi_agent``.
 * ``EnvGroupBuilder`` - makes the ``group_size`` environments of one group
   (the same task, several attempts: GRPO compares attempts within a group)
   and may add a reward computed over the whole group.
@@ -46,9 +54,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlengine.errors import ConfigurationError
 from rlengine.types import ModelInput, SampledSequence, SamplingParams
+from rlengine.validation import check_role
 
-__all__ = ["FAILURE_KINDS", "AgentEnv", "AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "Observation", "RLDataset", "StepResult",
+__all__ = ["FAILURE_KINDS", "POLICY", "Agent", "AgentEnv", "AttemptFailure", "Env", "EnvGroupBuilder", "Metrics", "MultiAgentEnv", "Observation", "RLDataset",
+           "StepResult",
            "Trajectory", "TrajectoryGroup", "Transition"]
 
 Metrics = dict[str, float]
@@ -114,6 +125,10 @@ class Trajectory(msgspec.Struct, kw_only=True, frozen=True):
     failure: AttemptFailure | None = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     """``Env.metadata()``: what the environment says about itself (sandbox id, task), for the logs."""
+    role: str | None = None
+    """The agent whose turns these are, in a multi-agent episode; None: a single-agent episode."""
+    trainable: bool = True
+    """False: the turns of an agent that does not train (a frozen or scripted one); never trained."""
 
     @property
     def failed(self) -> bool:
@@ -154,14 +169,23 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, frozen=True):
     tags: list[str] = msgspec.field(default_factory=list)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def by_role(self) -> dict[str | None, list[int]]:
+        """Each role's trajectories (their indices), roles in order of first appearance; a
+        single-agent group is one entry, None."""
+        out: dict[str | None, list[int]] = {}
+        for i, t in enumerate(self.trajectories):
+            out.setdefault(t.role, []).append(i)
+        return out
+
     def total_rewards(self) -> list[float]:
         """Per trajectory: the sum of its step rewards plus its group reward."""
         return [t.step_reward + g for t, g in zip(self.trajectories, self.group_rewards)]
 
     def versions(self) -> tuple[int, int] | None:
-        """(oldest, newest) engine policy version over the group's sampled tokens."""
+        """(oldest, newest) engine policy version over the group's trainable sampled tokens (an
+        untrainable agent's tokens come from another model slot: they are never stale)."""
         # One array for the group: a group of short answers holds about as many actions as tokens.
-        v = np.frombuffer(b"".join(t.action.versions_raw for trajectory in self.trajectories
+        v = np.frombuffer(b"".join(t.action.versions_raw for trajectory in self.trajectories if trajectory.trainable
                                    for t in trajectory.transitions), dtype=np.int32)
         return (int(v.min()), int(v.max())) if v.size else None
 
@@ -203,11 +227,59 @@ class AgentEnv(abc.ABC):
         return {}
 
 
+POLICY = "policy"
+"""``Agent.sampler`` for the policy being trained: the run's own sampling client."""
+
+
+class Agent(msgspec.Struct, kw_only=True, frozen=True):
+    """One agent of a multi-agent episode: its role, its model slot, whether it trains."""
+
+    role: str
+    """Its name in the episode (``rlengine.validation.check_role``); unique within the episode."""
+    sampler: Any = POLICY
+    """``POLICY`` (the policy trained; several roles may share it), or any object with
+    ``sample(prompt, num_samples, sampling_params)`` returning an awaitable ``SampleResponse``,
+    the ``SamplingClient`` shape: a frozen model's client, a teacher slot, a ``ScriptedAgent``."""
+    trainable: bool = True
+    """False: its turns are recorded, rewarded and exported, never trained."""
+
+    def __post_init__(self) -> None:
+        check_role("role", self.role, ConfigurationError)
+        if self.sampler != POLICY and not callable(getattr(self.sampler, "sample", None)):
+            raise ConfigurationError(f"sampler={self.sampler!r}: must be {POLICY!r} or have a sample(prompt, "
+                                     f"num_samples, sampling_params) method (role {self.role!r})")
+        if not isinstance(self.trainable, bool):
+            raise ConfigurationError(f"trainable={self.trainable!r}: must be a bool (role {self.role!r})")
+
+
+class MultiAgentEnv(abc.ABC):
+    """An episode in which several agents act; see the module docstring."""
+
+    @abc.abstractmethod
+    def agents(self) -> Sequence[Agent]:
+        """The episode's agents, roles unique; ``run``'s trajectories come in this order."""
+
+    @abc.abstractmethod
+    async def run(self, policy: Any, params: SamplingParams, seed: int, max_turns: int) -> list[Trajectory]:
+        """Play one episode, the ``POLICY`` agents sampling with ``policy`` (the run's
+        ``SamplingClient``) under ``params``, per-turn seeds derived from ``seed``, at most
+        ``max_turns`` turns in all; one ``Trajectory`` per agent, in ``agents()`` order, each
+        with its agent's ``role`` and ``trainable``."""
+
+    async def close(self) -> None:
+        """Release what the episode holds; called once per episode, also after a failure."""
+        return
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-able facts about this environment for the logs."""
+        return {}
+
+
 class EnvGroupBuilder(abc.ABC):
     """Makes the environments of one group; see the module docstring."""
 
     @abc.abstractmethod
-    async def make_envs(self) -> Sequence[Env | AgentEnv]:
+    async def make_envs(self) -> Sequence[Env | AgentEnv | MultiAgentEnv]:
         """The group's environments, one per attempt."""
 
     async def compute_group_rewards(self, trajectories: Sequence[Trajectory]) -> list[float]:

@@ -17,6 +17,10 @@ bound is reached between storing a turn's prompt and its sampled tokens,
 the prompt stays, a branch with nothing to train on; the client gets
 ``unavailable``.)
 
+A turn that names a role (HTTP ``X-RLEngine-Role``) records it with its
+completions; the export then splits the trace per role (``SessionTrace.by_role``)
+and leaves the tokens of roles declared untrainable out of the loss mask.
+
 Loop thread only, but for ``prepare``, which may run on the render thread.
 It submits nothing and keeps no session alive (``SessionManager`` and
 ``SessionTable`` do).
@@ -147,9 +151,10 @@ class TraceCapture:
     def record_chat(self, session: Session, base: Boundary, suffix: np.ndarray, msgs: list[dict[str, Any]],
                     keys: list[bytes], full: str, tools: list[dict[str, Any]] | None, parser: ToolParser | None,
                     one_tool_call: bool, params: SamplingParams, resp: SampleResponse,
-                    request_id: str) -> list[Choice]:
-        """Store a chat turn (its new prompt tokens, then each sampled completion) and index the
-        positions a client's next request may resume from; returns the choices it answers."""
+                    request_id: str, role: str | None = None) -> list[Choice]:
+        """Store a chat turn (its new prompt tokens, then each sampled completion, of ``role`` if
+        it names one) and index the positions a client's next request may resume from; returns
+        the choices it answers."""
         store, renderer, sid = self.store, self.renderer, session.session_id
         assert renderer is not None
         if params.constraint is not None:
@@ -159,7 +164,7 @@ class TraceCapture:
         session.boundaries[(keys[-1], True)] = Boundary(prompt_end, len(msgs), True, "")
         choices = []
         for seq in resp.sequences:
-            leaf = self._append_sampled(session, seq, request_id, prompt_end)
+            leaf = self._append_sampled(session, seq, request_id, prompt_end, role)
             content, calls, cut = self._reply(seq, params, parser, one_tool_call)
             # The assistant message as the client will send it back with its history.
             reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
@@ -177,19 +182,21 @@ class TraceCapture:
         return choices
 
     def record_tokens(self, session: Session, prompt: bytes, resp: SampleResponse,
-                      request_id: str) -> list[Choice]:
-        """Store a token turn: its whole prompt (the trie keeps the prefix it holds), then each completion."""
+                      request_id: str, role: str | None = None) -> list[Choice]:
+        """Store a token turn: its whole prompt (the trie keeps the prefix it holds), then each
+        completion (of ``role`` if it names one)."""
         store, sid = self.store, session.session_id
         kind = "prompt" if session.turns == 0 else "environment"
         prompt_end = store.append_turn(sid, prompt, kind=kind).handle
         choices = []
         for seq in resp.sequences:
-            session.leaf = self._append_sampled(session, seq, request_id, prompt_end)
+            session.leaf = self._append_sampled(session, seq, request_id, prompt_end, role)
             choices.append(self._choice(seq, None, None))
         session.turns += 1
         return choices
 
-    def _append_sampled(self, session: Session, seq: Any, request_id: str, parent: int) -> int:
+    def _append_sampled(self, session: Session, seq: Any, request_id: str, parent: int,
+                        role: str | None = None) -> int:
         if not seq.tokens_raw:
             return parent
         end = self.store.append_turn(session.session_id, seq.tokens_raw, seq.logprobs_raw, seq.versions_raw,
@@ -199,6 +206,8 @@ class TraceCapture:
         session.stops[end] = seq.stop_reason
         if seq.logprobs_transform is not None:  # and which logprob it recorded, for the trainer's transform
             session.transforms[end] = seq.logprobs_transform
+        if role is not None:  # whose it is, and how far back its tokens go, for the per-role export
+            session.completion_roles[end] = (role, len(seq.tokens_raw) // 4)
         return end
 
     # -- rewards and the export ------------------------------------------------------------
@@ -222,7 +231,32 @@ class TraceCapture:
             stops.append({depth: session.stops[handle] for handle, depth in ends.items()})
             transforms.append({depth: session.transforms[handle] for handle, depth in ends.items()
                                if handle in session.transforms})
-        return SessionTrace(session_id=session.session_id, trajectories=trajectories, latest=latest,
-                            rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
-                            constrained=frozenset(session.constrained), tainted=session.tainted, stops=stops,
-                            transforms=transforms)
+        trace = SessionTrace(session_id=session.session_id, trajectories=trajectories, latest=latest,
+                             rewards=[session.rewards.get(t.leaf) for t in trajectories], turns=session.turns,
+                             constrained=frozenset(session.constrained), tainted=session.tainted, stops=stops,
+                             transforms=transforms)
+        return self._split_roles(session, trace) if session.completion_roles else trace
+
+    def _split_roles(self, session: Session, trace: SessionTrace) -> SessionTrace:
+        """``trace`` with its per-role views (``SessionTrace.by_role``) and the untrainable roles'
+        tokens out of its loss mask: each token is owned by the role of the completion that sampled it."""
+        owned = session.completion_roles
+        names = sorted({role for role, _ in owned.values()} | set(session.roles or ()))
+        untrainable = frozenset(r for r, trains in (session.roles or {}).items() if not trains)
+        masks: dict[str, list[bytes]] = {role: [] for role in names}
+        kept: list[bytes] = []
+        for t in trace.trajectories:
+            owner = np.full(t.length, -1, dtype=np.int32)
+            for handle, depth in self.store.on_path(session.session_id, t.leaf, owned).items():
+                role, n = owned[handle]
+                owner[depth - n:depth] = names.index(role)
+            mask = np.frombuffer(t.loss_mask_raw, dtype=np.uint8)
+            for k, role in enumerate(names):
+                masks[role].append(np.where(owner == k, mask, 0).astype(np.uint8).tobytes())
+            out = np.isin(owner, [names.index(r) for r in untrainable])
+            kept.append(np.where(out, 0, mask).astype(np.uint8).tobytes())
+        by_role = {role: msgspec.structs.replace(trace, trajectories=[
+            msgspec.structs.replace(t, loss_mask_raw=m) for t, m in zip(trace.trajectories, masks[role])])
+            for role in names}
+        return msgspec.structs.replace(trace, by_role=by_role, untrainable=untrainable, trajectories=[
+            msgspec.structs.replace(t, loss_mask_raw=m) for t, m in zip(trace.trajectories, kept)])

@@ -29,6 +29,18 @@ when an engine died (its backend failed), whether or not a signal came
 after: the servers then stop on their own within a second, and
 ``GET /health`` answers 503 until they do.
 
+A hang watch runs beside the servers (``rlengine.core.hangs``): with
+requests pending and no token, settlement or training call for
+``--hang-timeout-s`` (default: max(120 s, 10x the longest such quiet spell
+seen)), it writes a dump (every thread's stack, the requests in flight, the
+install gate, the compute thread's call) to ``--dump-dir`` (default: the
+state directory, where drawn keys go) and prints one line naming it;
+SIGUSR1 writes one on demand. The server keeps running either way.
+
+``--timeline`` records every request, backend job, training call and gate
+phase (``rlengine.timeline``); ``GET /v1/admin/timeline`` (with the API key)
+returns it as Chrome trace-event JSON, which Perfetto's UI opens.
+
 vLLM's, transformers' and torch's own logs stay quiet unless ``-v``
 (``rlengine.console``).
 
@@ -69,6 +81,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--demo", action="store_true",
                         help="try it with an agent: the tiny model's tokenizer and replies that read the request "
                              "(calls the first tool offered, then answers with its result); settings still apply")
+    parser.add_argument("--dump-dir", metavar="DIR", default=None,
+                        help="where hang dumps go (SIGUSR1, or no progress for --hang-timeout-s); default: the "
+                             "state directory ($XDG_RUNTIME_DIR/rlengine, else ~/.rlengine/run)")
+    parser.add_argument("--hang-timeout-s", metavar="S", type=float, default=None,
+                        help="dump when requests are pending and nothing progressed for S seconds; default: "
+                             "max(120, 10x the longest quiet spell seen); 0: only on SIGUSR1")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record a timeline of requests, backend jobs, training calls and gate phases, served "
+                             "as trace-event JSON at GET /v1/admin/timeline (with the API key)")
+    parser.add_argument("--timeline-max-events", metavar="N", type=int, default=None,
+                        help="the most events the timeline holds; beyond it requests and backend jobs are sampled "
+                             "evenly (default 500000)")
+    parser.add_argument("--timeline-otel", action="store_true",
+                        help="with --timeline, also send each event as an OpenTelemetry span (needs "
+                             "opentelemetry-api, and a tracer provider set up in this process)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show vLLM's, transformers' and torch's own logs and loading bars (on stderr)")
     return parser
@@ -163,14 +190,14 @@ def _cannot_listen(exc: OSError, setting: str, host: str, port: int) -> BaseExce
 
 
 async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: int,
-                 tinker_cfg: Any) -> tuple[Any, Any]:
+                 tinker_cfg: Any, timeline: Any = None) -> tuple[Any, Any]:
     """Start the engines (into ``engines`` as they come, for the caller to close), the servers and
     the Tinker API; print their addresses and ``ready``. Returns ``(server, tinker server or None)``."""
     from rlengine.core.engine import Engine
     from rlengine.serve.server import Server
 
     for i in range(replicas):
-        engine = Engine(msgspec.structs.replace(engine_cfg, seed=engine_cfg.seed + i))
+        engine = Engine(msgspec.structs.replace(engine_cfg, seed=engine_cfg.seed + i), timeline=timeline)
         engines.append(engine)
         await engine.start_async()
     try:
@@ -202,20 +229,28 @@ async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: 
     return server, tinker
 
 
-async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any, signals: StopSignals) -> int:
+async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any, signals: StopSignals,
+                 hangs: Any, timeline: Any = None) -> int:
+    from rlengine.core.hangs import task_stacks
+
     stop = asyncio.Event()
     engines: list[Any] = []
     server: Any = None
     tinker: Any = None
     died: int | None = None
-    with signals.on_loop(asyncio.get_running_loop(), lambda _signum, _name: stop.set()):
+    loop = asyncio.get_running_loop()
+    hangs.add_source("tasks", lambda: task_stacks(loop))
+    # The watch runs from start-up on (a SIGUSR1 then shows the threads' stacks) until the engines closed.
+    with signals.on_loop(loop, lambda _signum, _name: stop.set()), signals.dumps(hangs.request_dump), hangs:
         try:
             try:
                 async with signals.start_up():  # a signal cancels it; what started closes below
-                    server, tinker = await _start(engines, engine_cfg, serve_cfg, replicas, tinker_cfg)
+                    server, tinker = await _start(engines, engine_cfg, serve_cfg, replicas, tinker_cfg, timeline)
             except StartUpInterrupted:
                 pass
             else:
+                for i, engine in enumerate(engines):
+                    hangs.watch("engine" if replicas == 1 else f"engine_{i}", engine)
                 # A dead engine ends the process (its supervisor sees a non-zero exit), after
                 # everything pending has settled: the engine failed its requests as it died.
                 died = await until_stopped(stop, engines, "rlengine serve")
@@ -246,6 +281,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         tinker_cfg = tinker_settings(args.settings) if getattr(args, "tinker", False) else None
         if tinker_cfg is None and any(w.startswith("tinker.") for w in args.settings):
             raise ConfigurationError("tinker.* settings need --tinker")
+        hangs = _hang_watch(args)
+        timeline = _timeline(args)
+        if timeline is not None:
+            hangs.add_source("timeline", timeline.recent)
     except ConfigurationError as exc:
         print(f"rlengine serve: {exc}", file=sys.stderr)
         return 2
@@ -253,13 +292,36 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
 
     loop = new_event_loop()
     try:
-        return loop.run_until_complete(_serve(engine_cfg, serve_cfg, replicas, tinker_cfg, signals))
+        return loop.run_until_complete(_serve(engine_cfg, serve_cfg, replicas, tinker_cfg, signals, hangs, timeline))
     except ConfigurationError as exc:
         print(f"rlengine serve: {exc}", file=sys.stderr)
         return 2
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def _hang_watch(args: argparse.Namespace) -> Any:
+    """The command's ``HangWatch``: ``--dump-dir`` (else the state directory) and ``--hang-timeout-s``."""
+    from rlengine.core.api_keys import runtime_dir
+    from rlengine.core.hangs import HangWatch
+
+    directory = getattr(args, "dump_dir", None)
+    # The state directory is checked when a dump is written: a bad one costs the dump, not the server.
+    return HangWatch(directory if directory is not None else runtime_dir, prog="rlengine serve",
+                     timeout_s=getattr(args, "hang_timeout_s", None), setting="--hang-timeout-s")
+
+
+def _timeline(args: argparse.Namespace) -> Any:
+    """The engines' ``Timeline`` with ``--timeline`` (None without); the options without it are refused."""
+    from rlengine.timeline import DEFAULT_MAX_EVENTS, Timeline
+
+    cap, otel = getattr(args, "timeline_max_events", None), getattr(args, "timeline_otel", False)
+    if not getattr(args, "timeline", False):
+        if cap is not None or otel:
+            raise ConfigurationError("--timeline-max-events and --timeline-otel need --timeline")
+        return None
+    return Timeline(DEFAULT_MAX_EVENTS if cap is None else cap, otel=otel or None, setting="--timeline-max-events")
 
 
 def main(argv: list[str] | None = None) -> int:

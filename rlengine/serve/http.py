@@ -29,13 +29,16 @@ Endpoints:
 * a ``max_tokens`` (``max_completion_tokens``, ``max_output_tokens``) that the
   context cannot hold after the prompt is a 400 ``context_length_exceeded``
   naming the field, as OpenAI answers it;
-* ``POST /v1/sessions`` (open; body ``{"session_id": ...}`` optional; the
+* ``POST /v1/sessions`` (open; body ``{"session_id": ..., "roles": {role: trainable}}``
+  optional, ``roles`` declaring the agent roles its turns name in ``X-RLEngine-Role``; the
   answer holds the id, the token and the session's own ``base_url``,
   ``.../sessions/<id>/v1``, on which the token is the API key: ``POST
   chat/completions``, ``completions``, ``messages``, ``responses``, ``reward`` and ``GET
   models`` there are that session's),
   ``GET /v1/admin/leases`` (turns with an unknown outcome, per replica) and
-  ``POST /v1/admin/leases/{replica}/{lease_id}/write_off`` for operators;
+  ``POST /v1/admin/leases/{replica}/{lease_id}/write_off`` for operators, and ``GET
+  /v1/admin/timeline``: the engines' timeline as Chrome trace-event JSON (``rlengine.timeline``;
+  404 unless the engines record one: ``rlengine serve --timeline``);
   ``DELETE /v1/sessions/{id}`` (close), ``POST /v1/sessions/{id}/reward``
   (``{"value": x}``) and ``GET /v1/sessions/{id}/trace``, each with the
   session's token.
@@ -146,6 +149,7 @@ class HttpServer:
             # Operators (behind the server's API key): unknown outcomes, and writing one off now.
             web.get("/v1/admin/leases", self.leases),
             web.post("/v1/admin/leases/{replica}/{lease_id}/write_off", self.write_off_lease),
+            web.get("/v1/admin/timeline", self.timeline),
         ])
         self._runner: web.AppRunner | None = None
 
@@ -280,7 +284,7 @@ class HttpServer:
 
     async def open_session(self, request: web.Request) -> web.Response:
         body = await read_body(request, self._session_decoder) if request.can_read_body else SessionBody()
-        session = self.sessions.open(body.session_id)
+        session = self.sessions.open(body.session_id, roles=body.roles)
         root = (self.url or "").removesuffix("/v1")
         return self._json({"session_id": session.session_id, "token": session.token, "model": self.model_name,
                            "base_url": f"{root}/sessions/{session.session_id}/v1"})
@@ -306,17 +310,30 @@ class HttpServer:
         await self.sessions.write_off_lease(replica, lease_id)
         return self._json({"replica": replica, "lease_id": lease_id, "written_off": True})
 
+    async def timeline(self, request: web.Request) -> web.Response:
+        """The engines' timeline (one, shared by the replicas), rendered off the loop: a large one
+        takes a while to encode, and the loop must keep serving meanwhile."""
+        timeline = self.sessions.router.engines[0].timeline
+        if timeline is None:
+            body = {"error": {"message": "no timeline is recorded: start rlengine serve with --timeline",
+                              "type": "invalid_request_error", "code": "not_found", "param": "timeline"}}
+            return web.json_response(body, status=404)
+        return web.Response(body=await asyncio.to_thread(timeline.to_json), content_type="application/json")
+
     async def trace(self, request: web.Request) -> web.Response:
         trace = self.sessions.trace(self._path_session(request))
 
         def ints(raw: bytes, code: str) -> list[Any]:
             return array(code, raw).tolist()
 
+        def trajectories(trace: Any) -> list[dict[str, Any]]:
+            return [{"tokens": ints(t.tokens_raw, "i"), "logprobs": ints(t.logprobs_raw, "f"),
+                     "versions": ints(t.versions_raw, "i"), "loss_mask": list(t.loss_mask_raw),
+                     "shared_prefix": t.shared_prefix, "reward": r,
+                     "segments": [{"start": g.start, "end": g.end, "kind": g.kind, "request_id": g.request_id}
+                                  for g in t.segments]}
+                    for t, r in zip(trace.trajectories, trace.rewards)]
+
         return self._json({"session_id": trace.session_id, "turns": trace.turns, "tainted": trace.tainted,
-                           "constrained": sorted(trace.constrained), "trajectories": [
-            {"tokens": ints(t.tokens_raw, "i"), "logprobs": ints(t.logprobs_raw, "f"),
-             "versions": ints(t.versions_raw, "i"), "loss_mask": list(t.loss_mask_raw),
-             "shared_prefix": t.shared_prefix, "reward": r,
-             "segments": [{"start": g.start, "end": g.end, "kind": g.kind, "request_id": g.request_id}
-                          for g in t.segments]}
-            for t, r in zip(trace.trajectories, trace.rewards)]})
+                           "constrained": sorted(trace.constrained), "trajectories": trajectories(trace),
+                           "roles": {role: trajectories(part) for role, part in trace.by_role.items()}})

@@ -106,9 +106,9 @@ class TurnStreamer:
     async def stream(self, request: web.Request, session: Session | None, affinity: str | None,
                      messages: list[dict[str, Any]], params: SamplingParams, n: int, tools: Any,
                      tool_use: ToolUse, dialect: Callable[[str], StreamDialect],
-                     max_tokens_field: str | None = None) -> web.StreamResponse:
+                     max_tokens_field: str | None = None, role: str | None = None) -> web.StreamResponse:
         """Stream a chat turn as server-sent events in ``dialect(request_id)``'s shape (every chat
-        API's one loop; ``max_tokens_field`` as for ``SessionManager.chat``).
+        API's one loop; ``max_tokens_field`` and ``role`` as for ``SessionManager.chat``).
 
         Text that may turn out to be a tool call's markup, or the stop string the
         reply ends before, is held back until the turn's end settles it. A client
@@ -118,7 +118,8 @@ class TurnStreamer:
 
         def start(on_tokens: OnTokens) -> RequestFuture[TurnResult]:
             return self.sessions.chat(session, messages, params, n, on_tokens=on_tokens, tools=tools,
-                                      tool_use=tool_use, affinity=affinity, max_tokens_field=max_tokens_field)
+                                      tool_use=tool_use, affinity=affinity, max_tokens_field=max_tokens_field,
+                                      role=role)
 
         return await self.stream_turn(request, start, n, self._held(params, tools, tool_use), dialect)
 

@@ -9,7 +9,10 @@ Completions, ``serve.completions``) into a token turn, then streams it
 (``serve.http_stream``) or answers it whole. A ``max_tokens`` (by each API's
 name for it) that the context cannot hold after the prompt is refused, 400
 ``context_length_exceeded`` naming the field, as OpenAI and Anthropic refuse
-it. A client that disconnects mid-generation cancels its handler, which
+it. A turn in a session may name its agent role in the ``X-RLEngine-Role``
+header (``SessionManager.role_of`` checks it; a bad one is 400 naming the
+header); its completions are recorded under that role. A client that
+disconnects mid-generation cancels its handler, which
 abandons the turn (``SessionManager.abandon``): it is aborted and its lease
 settled.
 
@@ -33,7 +36,7 @@ from rlengine.serve import anthropic, chat_completions, completions, responses
 from rlengine.serve.http_stream import TurnStreamer
 from rlengine.serve.http_wire import json_response, read_body
 from rlengine.serve.session_types import Session, ToolUse, TurnResult
-from rlengine.serve.sessions import OnTokens, SessionManager
+from rlengine.serve.sessions import ROLE_HEADER, OnTokens, SessionManager
 from rlengine.types import SamplingParams
 
 __all__ = ["SessionOf", "TurnEndpoints"]
@@ -60,48 +63,51 @@ class TurnEndpoints:
         self._completions_decoder = msgspec.json.Decoder(completions.CompletionRequest)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req, session, affinity = await self._begin(request, self._chat_decoder)
+        req, session, affinity, role = await self._begin(request, self._chat_decoder)
         messages, tools, tool_use, params = chat_completions.to_chat(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return await self.streamer.stream(request, session, affinity, messages, params, req.n, tools, tool_use,
                                               lambda rid: chat_completions.ChatChunks(
-                                                  self.encode, rid, self.model_name, req.n, include_usage), field)
-        result = await self._turn(session, affinity, messages, params, req.n, tools, tool_use, field)
+                                                  self.encode, rid, self.model_name, req.n, include_usage), field,
+                                              role)
+        result = await self._turn(session, affinity, messages, params, req.n, tools, tool_use, field, role)
         return json_response(self.encode, chat_completions.completion_body(
             result, self.model_name, None if session is None else session.session_id, req.logprobs, self._decode))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        req, session, affinity = await self._begin(request, self._messages_decoder)
+        req, session, affinity, role = await self._begin(request, self._messages_decoder)
         messages, tools, tool_use, params = anthropic.to_chat(req)
         if req.stream:
             return await self.streamer.stream(request, session, affinity, messages, params, 1, tools, tool_use,
                                               lambda rid: anthropic.MessageEvents(
                                                   self.encode, f"msg_{rid}", self.model_name,
-                                                  lambda choice: self._stop_details(choice, params)), "max_tokens")
-        result = await self._turn(session, affinity, messages, params, 1, tools, tool_use, "max_tokens")
+                                                  lambda choice: self._stop_details(choice, params)), "max_tokens",
+                                              role)
+        result = await self._turn(session, affinity, messages, params, 1, tools, tool_use, "max_tokens", role)
         choice = result.choices[0]
         return json_response(self.encode, anthropic.message_body(
             f"msg_{result.request_id}", self.model_name, choice, result.prompt_tokens,
             self._stop_details(choice, params)))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        req, session, affinity = await self._begin(request, self._responses_decoder)
+        req, session, affinity, role = await self._begin(request, self._responses_decoder)
         messages, tools, tool_use, params = responses.to_chat(req)
         if req.stream:
             return await self.streamer.stream(request, session, affinity, messages, params, 1, tools, tool_use,
                                               lambda rid: responses.ResponseEvents(self.encode, rid,
                                                                                    self.model_name, req),
-                                              "max_output_tokens")
-        result = await self._turn(session, affinity, messages, params, 1, tools, tool_use, "max_output_tokens")
+                                              "max_output_tokens", role)
+        result = await self._turn(session, affinity, messages, params, 1, tools, tool_use, "max_output_tokens",
+                                  role)
         return json_response(self.encode, responses.response_body(result.request_id, self.model_name, req,
                                                                   result.choices[0], result.prompt_tokens))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """Legacy Completions: a token turn (traced like ``generate`` in a session), its prompt
         tokenized off the loop when long, as a chat turn's is rendered."""
-        req, session, affinity = await self._begin(request, self._completions_decoder)
+        req, session, affinity, role = await self._begin(request, self._completions_decoder)
         prompt, params = completions.to_turn(req)
         renderer = self.sessions.renderer
         if renderer is None:
@@ -125,7 +131,7 @@ class TurnEndpoints:
 
         def start(on_tokens: OnTokens | None = None) -> RequestFuture[TurnResult]:
             return self.sessions.generate(session, raw, params, req.n, on_tokens, text=True, affinity=affinity,
-                                          max_tokens_field="max_tokens")
+                                          max_tokens_field="max_tokens", role=role)
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -138,11 +144,13 @@ class TurnEndpoints:
             result, self.model_name, None if session is None else session.session_id, echo, logprobs, self._decode))
 
     async def _begin(self, request: web.Request,
-                     decoder: msgspec.json.Decoder) -> tuple[Any, Session | None, str | None]:
-        """The request's body (any API), its model checked, and its session or affinity hint."""
+                     decoder: msgspec.json.Decoder) -> tuple[Any, Session | None, str | None, str | None]:
+        """The request's body (any API), its model checked, its session or affinity hint, and the
+        agent role it names (``ROLE_HEADER``), checked against the session."""
         req = await self._decode_turn(request, decoder)
         self._check_model(req.model)
-        return (req, *self.session_of(request, req.session_id, req.session_token))
+        session, affinity = self.session_of(request, req.session_id, req.session_token)
+        return req, session, affinity, self.sessions.role_of(session, request.headers.get(ROLE_HEADER))
 
     async def _decode_turn(self, request: web.Request, decoder: msgspec.json.Decoder) -> Any:
         """A chat turn's body (any API), refused before it is read when it is too large to fit in
@@ -164,10 +172,11 @@ class TurnEndpoints:
             raise InvalidRequest("model", model, f"this server serves {self.model_name!r} (see /v1/models)")
 
     async def _turn(self, session: Session | None, affinity: str | None, messages: list[dict[str, Any]],
-                    params: SamplingParams, n: int, tools: Any, tool_use: ToolUse, max_tokens_field: str) -> TurnResult:
+                    params: SamplingParams, n: int, tools: Any, tool_use: ToolUse, max_tokens_field: str,
+                    role: str | None) -> TurnResult:
         """A chat turn answered whole."""
         return await self._settle(self.sessions.chat(session, messages, params, n, tools=tools, tool_use=tool_use,
-                                                     affinity=affinity, max_tokens_field=max_tokens_field))
+                                                     affinity=affinity, max_tokens_field=max_tokens_field, role=role))
 
     async def _settle(self, fut: RequestFuture[TurnResult]) -> TurnResult:
         """A turn's result; a client that goes away abandons it (see the module docstring)."""

@@ -25,9 +25,11 @@ __all__ = ["RewardBody", "SessionBody", "error_response", "http_error_response",
 
 
 class SessionBody(msgspec.Struct, frozen=True):
-    """The body of ``POST /v1/sessions`` (optional)."""
+    """The body of ``POST /v1/sessions`` (optional): ``roles`` declares the agent roles its turns
+    name in the ``X-RLEngine-Role`` header, each mapped to whether it trains."""
 
     session_id: str | None = None
+    roles: dict[str, bool] | None = None
 
 
 class RewardBody(msgspec.Struct, frozen=True):

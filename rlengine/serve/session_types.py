@@ -73,6 +73,13 @@ class SessionTrace(msgspec.Struct, kw_only=True, frozen=True):
     transforms: list[dict[int, LogprobTransform]] = msgspec.field(default_factory=list)
     """Per trajectory, likewise: the sampling transform of each completion on it whose logprobs
     are processed (``SampledSequence.logprobs_transform``); a completion not here has raw ones."""
+    by_role: dict[str, SessionTrace] = msgspec.field(default_factory=dict)
+    """A session whose turns named roles (HTTP ``X-RLEngine-Role``): per role, this trace with the
+    loss mask marking that role's completions only (an untrainable role's too: its traces, apart);
+    empty otherwise, and in each per-role trace."""
+    untrainable: frozenset[str] = frozenset()
+    """Roles the session declared untrainable: their tokens are left out of ``trajectories``' loss
+    mask, so nothing built from this trace trains them (they stay in ``by_role``)."""
 
 
 class Session:
@@ -81,11 +88,13 @@ class Session:
     __slots__ = (
         "active_at",
         "boundaries",
+        "completion_roles",
         "constrained",
         "in_flight",
         "leaf",
         "retired",
         "rewards",
+        "roles",
         "root",
         "session_id",
         "stops",
@@ -114,6 +123,10 @@ class Session:
         """Request ids of its turns sampled under a constraint (``SessionTrace.constrained``)."""
         self.active_at = time.monotonic()
         """When it was opened or last started or finished a turn (idle expiry; retirement time once retired)."""
+        self.roles: dict[str, bool] | None = None
+        """Declared roles -> trainable (``SessionManager.open``); None: any role, all trainable."""
+        self.completion_roles: dict[int, tuple[str, int]] = {}
+        """The handle where each completion of a turn that named a role ends -> (the role, its tokens)."""
         self.tainted = False
         """A turn's client went away after output may have reached it: what the client saw
         (and may build on) was not recorded (``SessionTrace.tainted``)."""

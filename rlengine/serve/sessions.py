@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -57,8 +57,9 @@ from rlengine.serve.session_types import Session, SessionTrace, ToolUse, TurnRes
 from rlengine.tool_parsers import ToolParser
 from rlengine.trace import TraceStore
 from rlengine.types import ModelInput, SampleResponse, SamplingParams
+from rlengine.validation import check_role
 
-__all__ = ["MAX_SAMPLES", "Retention", "Session", "SessionManager", "SessionTrace", "ToolUse", "TurnResult"]
+__all__ = ["MAX_SAMPLES", "ROLE_HEADER", "Retention", "Session", "SessionManager", "SessionTrace", "ToolUse", "TurnResult"]
 
 MAX_SAMPLES = 64
 """Most completions (``n``) one turn may ask for."""
@@ -67,6 +68,9 @@ _OFFLOAD_CHARS = 8192
 """A chat turn this long (characters in), or longer, is rendered and tokenized on the render
 thread: on the loop it would delay every other client by more than a few milliseconds (a
 26,624-character prompt took 13 ms to tokenize here)."""
+
+ROLE_HEADER = "X-RLEngine-Role"
+"""The HTTP header naming the agent role of a turn in a session (``SessionManager.role_of``)."""
 
 OnTokens = Callable[[int, list[int], list[float], int], None]
 
@@ -111,9 +115,34 @@ class SessionManager:
 
     # -- sessions (``SessionTable``) -------------------------------------------------------
 
-    def open(self, session_id: str | None = None) -> Session:
-        """A new session with a fresh token; ``session_id`` None picks an unguessable id."""
-        return self.table.open(session_id)
+    def open(self, session_id: str | None = None, roles: Mapping[str, bool] | None = None) -> Session:
+        """A new session with a fresh token; ``session_id`` None picks an unguessable id. ``roles``
+        declares the agent roles its turns may name (role -> trainable; see ``role_of``): an
+        untrainable role's tokens are exported apart and never in the loss mask (``SessionTrace``)."""
+        declared = None
+        if roles is not None:
+            declared = {check_role("roles", r, InvalidRequest): trains for r, trains in roles.items()}
+            if not all(isinstance(trains, bool) for trains in declared.values()):
+                raise InvalidRequest("roles", dict(roles), "each role maps to a bool (trainable)")
+        session = self.table.open(session_id)
+        session.roles = declared
+        return session
+
+    @staticmethod
+    def role_of(session: Session | None, value: str | None, field: str = ROLE_HEADER) -> str | None:
+        """The role a turn names (``value``, None: none), checked (``field`` names it in the error): a
+        valid role name, one the session declared if it declared roles (a turn of such a session must
+        name one), and never on a turn without a session (nothing would record it)."""
+        if session is None:
+            if value is not None:
+                raise InvalidRequest(field, value, "names the role of a turn in a session; this request has none")
+            return None
+        if value is None:
+            if session.roles is not None:
+                raise InvalidRequest(field, None, f"required: session {session.session_id!r} declares the roles "
+                                     f"{', '.join(sorted(session.roles))}")
+            return None
+        return check_role(field, value, InvalidRequest, session.roles)
 
     def authorize(self, session_id: Any, token: Any, field: str = "token") -> Session:
         """The live session ``session_id`` if ``token`` is its token; raises otherwise
@@ -196,8 +225,10 @@ class SessionManager:
 
     def chat(self, session: Session | None, messages: Any, params: SamplingParams, n: int = 1,
              on_tokens: OnTokens | None = None, tools: Any = None, tool_use: ToolUse = _FREE,
-             affinity: str | None = None, max_tokens_field: str | None = None) -> RequestFuture[TurnResult]:
-        """Sample a chat turn; ``session`` None: a stateless request (nothing traced).
+             affinity: str | None = None, max_tokens_field: str | None = None,
+             role: str | None = None) -> RequestFuture[TurnResult]:
+        """Sample a chat turn; ``session`` None: a stateless request (nothing traced). ``role``
+        (checked by ``role_of``) is the agent role its completions are recorded under.
 
         ``tools`` (OpenAI function tools) are rendered by the model's chat
         template; each completion's tool calls are parsed from its text
@@ -237,7 +268,7 @@ class SessionManager:
 
         def launch(prep: Prepared) -> RequestFuture[TurnResult]:
             return self._launch(session, prep, msgs, tools, parser, one_tool_call, params, n, on_tokens, affinity,
-                                max_tokens_field)
+                                max_tokens_field, role)
 
         if chars < self.offload_chars:
             return launch(self.capture.prepare(session, renderer, msgs, tools))
@@ -273,7 +304,8 @@ class SessionManager:
     def _launch(self, session: Session | None, prep: Prepared, msgs: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, parser: ToolParser | None, one_tool_call: bool,
                 params: SamplingParams, n: int, on_tokens: OnTokens | None,
-                affinity: str | None, max_tokens_field: str | None) -> RequestFuture[TurnResult]:
+                affinity: str | None, max_tokens_field: str | None,
+                role: str | None = None) -> RequestFuture[TurnResult]:
         """Submit a prepared chat turn (loop thread)."""
         capture = self.capture
         if session is None:
@@ -288,14 +320,14 @@ class SessionManager:
 
         def record(resp: SampleResponse, request_id: str) -> list[Choice]:
             return capture.record_chat(session, base, prep.ids, msgs, prep.keys, prep.full, tools, parser,
-                                       one_tool_call, params, resp, request_id)
+                                       one_tool_call, params, resp, request_id, role)
 
         return self._submit(session, prompt, params, n, on_tokens, record, None, max_tokens_field)
 
     def generate(self, session: Session | None, prompt: bytes, params: SamplingParams, n: int = 1,
                  on_tokens: OnTokens | None = None, *, text: bool = False, affinity: str | None = None,
-                 max_tokens_field: str | None = None) -> RequestFuture[TurnResult]:
-        """Sample a token turn: ``prompt`` is the whole conversation as raw int32 (the
+                 max_tokens_field: str | None = None, role: str | None = None) -> RequestFuture[TurnResult]:
+        """Sample a token turn (of ``role``, as for ``chat``): ``prompt`` is the whole conversation as raw int32 (the
         engine checks it, like every prompt); ``session`` None: a stateless one (nothing
         traced; ``affinity`` as for ``chat``). With ``text`` each choice also carries its text
         as a client sees it (``TraceCapture.replies``: without the final stop token or stop
@@ -305,7 +337,7 @@ class SessionManager:
             raise Unsupported("generate: text, and stateless token turns, need a tokenizer; this backend has none")
 
         def record(resp: SampleResponse, request_id: str) -> list[Choice]:
-            choices = None if session is None else capture.record_tokens(session, prompt, resp, request_id)
+            choices = None if session is None else capture.record_tokens(session, prompt, resp, request_id, role)
             return capture.replies(resp, params, None, False) if text or choices is None else choices
 
         return self._submit(session, prompt, params, n, on_tokens, record, affinity, max_tokens_field)

@@ -10,7 +10,8 @@ user metadata, the requested TTL). A directory is written under a temporary
 name and renamed into place, so a reader never sees half a checkpoint.
 
 TTLs are recorded, not enforced: local checkpoints stay until deleted
-(``delete``). ``scan`` finds every published checkpoint under the directory,
+(``delete``). ``copy`` publishes a checkpoint under another training run
+sharing its files (hard links). ``scan`` finds every published checkpoint under the directory,
 with its metadata, time and size, for the REST listings (``runs``); the
 metadata also records the training run's own ``user_metadata``
 (``run_metadata``), so a run is described from disk after its model is gone.
@@ -38,6 +39,7 @@ __all__ = [
     "META_FILE",
     "CheckpointPath",
     "StoredCheckpoint",
+    "copy",
     "delete",
     "parse_path",
     "publish",
@@ -169,6 +171,23 @@ def scan(root: str, model_id: str | None = None) -> list[StoredCheckpoint]:
                 if isinstance(meta, dict) and meta.get("path") == path.uri:
                     found.append(StoredCheckpoint(path, meta, published, size))
     return found
+
+
+def copy(root: str, source: CheckpointPath, target: CheckpointPath, meta: dict[str, Any]) -> None:
+    """Publish a copy of checkpoint ``source`` as ``target`` with ``meta``: its files hard-linked (the
+    bytes are shared, as Tinker's copies share storage; copied where the file system cannot link),
+    never its metadata file, which is the copy's own. Worker thread."""
+    staged = staging_dir(root, target)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source.directory(root), staged, dirs_exist_ok=True, copy_function=link,
+                    ignore=lambda _d, names: [META_FILE] if META_FILE in names else [])
+    publish(root, target, staged, meta, False)
 
 
 def delete(root: str, path: CheckpointPath) -> None:

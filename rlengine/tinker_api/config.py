@@ -62,6 +62,16 @@ class TinkerServerConfig(msgspec.Struct, kw_only=True, frozen=True):
     every 10 s while it runs)."""
     sampler_snapshots_kept: PositiveInt = 8
     """Sampler weight snapshots kept in memory (a LoRA adapter each, or a full copy for rank 0)."""
+    max_recorded_sequences: PositiveInt = 65_536
+    """Sampled sequences remembered by ``sequence_id`` (``stability``: the provenance spans of training datums
+    are checked against them, and ``stable_reinforce`` reads their behaviour logprobs); the least recently
+    used go first, and naming one after that is ``Gone``. A cookbook step of 128 prompts x 16 samples is 2,048."""
+    max_recorded_bytes: PositiveInt = 256 << 20
+    """Bytes those records hold at most (tokens, and with ``record_stability_info`` logprobs and versions:
+    12 bytes a sampled token; each request's prompt once)."""
+    recorded_ttl_s: PositiveFloat = 86_400.0
+    """A record unused this long is dropped (Tinker: a recorded sequence can be trained on for one day after
+    sampling, and each training request that uses it restarts that day)."""
     sample_use_retrieve_futures: bool = False
     """Tell SDKs to learn of finished samples from one ``retrieve_futures`` long poll per
     sampling session instead of one ``retrieve_future`` poll per sample."""

@@ -33,8 +33,9 @@ from typing import Any
 
 from rlengine.errors import UNKNOWN, FieldError, own_wire, wire_of
 
-__all__ = ["Forbidden", "Gone", "LimitExceeded", "NotSupported", "Overloaded", "PayloadTooLarge", "TinkerApiError",
-           "Unauthorized", "UnknownEndpoint", "UnknownResource", "error_response", "failure_category"]
+__all__ = ["Forbidden", "Gone", "LimitExceeded", "NotSupported", "Overloaded", "PayloadTooLarge", "ProvenanceError",
+           "TinkerApiError", "Unauthorized", "UnknownEndpoint", "UnknownResource", "error_response",
+           "failure_category"]
 
 log = logging.getLogger("rlengine.tinker_api")
 
@@ -72,6 +73,11 @@ class UnknownResource(TinkerApiError, LookupError):
 
 class Gone(TinkerApiError, LookupError):
     """The resource existed but is over: a finished or expired session, an expired future."""
+
+
+class ProvenanceError(TinkerApiError, ValueError):
+    """A datum's provenance spans do not match what the server sampled: an unknown sequence, a run outside
+    it, other tokens than the recorded ones, or a sequence without the stability information its loss needs."""
 
 
 class Forbidden(TinkerApiError, PermissionError):

@@ -16,7 +16,9 @@ encoded results copy the engine's raw int32 / float32 buffers.
 
 Decoding raises ``InvalidRequest`` naming the message and field for
 malformed input, and ``NotSupported`` for features rlengine does not serve
-(images, audio, provenance spans). It must not touch engine state.
+(images, audio). A datum with provenance spans decodes to a
+``ProvenancedDatum`` (``stability`` checks the spans against what was
+sampled). It must not touch engine state.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import numpy as np
 
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api.errors import NotSupported
+from rlengine.tinker_api.prompt_scoring import TargetLayout, alt_tensors, target_tensor
+from rlengine.tinker_api.stability import Span, provenanced
 from rlengine.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
 
 __all__ = ["FwdBwdRequest", "call_header", "decode_forward_backward_request", "encode_forward_backward_output",
@@ -238,9 +242,34 @@ def _model_input(chunks: list[memoryview], where: str) -> ModelInput:
     return ModelInput(tokens_raw=raw)
 
 
+def _span(buf: memoryview, where: str) -> Span:
+    """A ``ProvenanceSpan``: its oneof arm (1 ``prompt_tokens``, 2 ``sampled_tokens``), each a
+    ``sequence_id`` (1), ``offset`` (2) and ``length`` (3)."""
+    arm: tuple[int, memoryview] | None = None
+    for number, wire, value in _fields(buf, where):
+        if number in (1, 2):
+            _expect(where, number, wire, _LEN)
+            arm = (number, value)
+    if arm is None:
+        raise InvalidRequest(where, "empty", "a span holds prompt_tokens or sampled_tokens")
+    sequence_id, offset, length = "", 0, 0
+    for number, wire, value in _fields(arm[1], where):
+        if number == 1:
+            _expect(where, number, wire, _LEN)
+            sequence_id = _text(value, f"{where}.sequence_id")
+        elif number in (2, 3):
+            _expect(where, number, wire, _VARINT)
+            if number == 2:
+                offset = _signed(value)
+            else:
+                length = _signed(value)
+    return Span(arm[0] == 2, sequence_id, offset, length)
+
+
 def _datum(buf: memoryview, where: str) -> Datum:
     chunks: list[memoryview] = []
     inputs: dict[str, TensorData] = {}
+    spans: tuple[list[Span], list[Span]] = ([], [])
     for number, wire, value in _fields(buf, where):
         if number == 1:
             _expect(where, number, wire, _LEN)
@@ -251,9 +280,12 @@ def _datum(buf: memoryview, where: str) -> Datum:
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{key!r}]", None, "missing tensor")
             inputs[key] = _tensor(tensor, f"{where}.loss_fn_inputs[{key!r}]")
         elif number in (3, 4):
-            raise NotSupported(f"{where}.{'model_input_spans' if number == 3 else 'loss_fn_input_spans'}",
-                               "provenance spans", "not supported by rlengine")
-    return Datum(model_input=_model_input(chunks, f"{where}.model_input"), loss_fn_inputs=inputs)
+            _expect(where, number, wire, _LEN)
+            field = "model_input_spans" if number == 3 else "loss_fn_input_spans"
+            listed = spans[number - 3]
+            listed.append(_span(value, f"{where}.{field}[{len(listed)}]"))
+    return provenanced(_model_input(chunks, f"{where}.model_input"), inputs, tuple(spans[0]), tuple(spans[1]),
+                       where)
 
 
 def decode_forward_backward_request(body: bytes) -> FwdBwdRequest:
@@ -369,10 +401,32 @@ def _topk_message(ids: np.ndarray, logprobs: np.ndarray, k: int) -> bytes:
     return bytes(msg)
 
 
-def encode_sample_response(response: SampleResponse, prompt_logprobs_last_n: int | None = None) -> bytes:
+def _tensor_message(values: np.ndarray, dtype: int, shape: list[int], layout: TargetLayout | None = None) -> bytes:
+    """A ``Tensor``: ``values`` (already of ``dtype``) dense, or the listed cells of ``layout``'s CSR."""
+    msg = bytearray()
+    if layout is None:
+        _put_len(msg, 1, values.tobytes())
+    else:
+        csr = bytearray()
+        _put_len(csr, 1, values.tobytes())
+        _put_len(csr, 2, layout.crow.astype(np.int64, copy=False).tobytes())
+        _put_len(csr, 3, layout.col.astype(np.int64, copy=False).tobytes())
+        _put_len(msg, 2, csr)
+    _put_int(msg, 3, dtype)
+    packed = bytearray()
+    for d in shape:
+        _put_varint(packed, d)
+    _put_len(msg, 4, packed)
+    return bytes(msg)
+
+
+def encode_sample_response(response: SampleResponse, prompt_logprobs_last_n: int | None = None,
+                           target_layout: TargetLayout | None = None) -> bytes:
     """A ``SampleResponse`` as protobuf: tokens int32, logprobs float32, prompt logprobs with
     NaN where none was computed (the first token, and before the last ``prompt_logprobs_last_n``),
-    top-k logprobs as dense matrices with empty cells there (id 0, logprob -99999)."""
+    top-k logprobs as dense matrices with empty cells there (id 0, logprob -99999),
+    ``prompt_cache_hit_tokens``, and the prompt scores (``target_layout``: a sparse
+    ``target_prompt_logprobs`` request's CSR indices, which its result keeps)."""
     out = bytearray()
     for seq in response.sequences:
         reason = _STOP_REASON.get(seq.stop_reason)
@@ -400,6 +454,19 @@ def encode_sample_response(response: SampleResponse, prompt_logprobs_last_n: int
         empty = _unscored(ids.size // k, prompt_logprobs_last_n) * k
         ids[:empty], lps[:empty] = 0, _MASK_LOGPROB
         _put_len(out, 3, _topk_message(ids, lps, k))
+    if response.prompt_cache_hit_tokens:
+        _put_int(out, 4, response.prompt_cache_hit_tokens)
+    scores = response.prompt_scores
+    if scores is not None:
+        target = target_tensor(scores, target_layout)
+        if target is not None:
+            _put_len(out, 5, _tensor_message(target[0], _DTYPE_FLOAT32, target[1], target_layout))
+        alt = alt_tensors(scores)
+        if alt is not None:
+            msg = bytearray()
+            _put_len(msg, 1, _tensor_message(alt[0], _DTYPE_INT32, alt[2]))
+            _put_len(msg, 2, _tensor_message(alt[1], _DTYPE_FLOAT32, alt[2]))
+            _put_len(out, 6, msg)
     return bytes(out)
 
 

@@ -64,11 +64,14 @@ class _Waiting(NamedTuple):
 class Session:
     """A Tinker session (one ``ServiceClient``)."""
 
-    __slots__ = ("last_seen", "models", "owner", "samplers", "session_id")
+    __slots__ = ("display_name", "last_seen", "models", "owner", "samplers", "session_id", "user_metadata")
 
-    def __init__(self, session_id: str, owner: str) -> None:
+    def __init__(self, session_id: str, owner: str, user_metadata: dict[str, Any] | None = None,
+                 display_name: str | None = None) -> None:
         self.session_id = session_id
         self.owner = owner
+        self.user_metadata = user_metadata
+        self.display_name = display_name
         self.last_seen = time.monotonic()
         self.models: dict[int, str] = {}
         """model_seq_id -> the request id that created it (a retried creation gets it back)."""
@@ -132,8 +135,9 @@ class Registry:
 
     # -- sessions -----------------------------------------------------------------------
 
-    def new_session(self, session_id: str, owner: str) -> Session:
-        session = self.sessions[session_id] = Session(session_id, owner)
+    def new_session(self, session_id: str, owner: str, user_metadata: dict[str, Any] | None = None,
+                    display_name: str | None = None) -> Session:
+        session = self.sessions[session_id] = Session(session_id, owner, user_metadata, display_name)
         return session
 
     def _owned(self, table: dict[str, Any], field: str, resource_id: str, owner: str, kind: str,
@@ -184,10 +188,19 @@ class Registry:
     def new_model(self, owner: str, session: Session, model_seq_id: int, base_model: str, lora: Any,
                   user_metadata: dict[str, Any] | None) -> TrainingModel:
         """The session's model ``model_seq_id``, holding no slot yet (``admit`` gives it one)."""
-        model_id = f"{session.session_id}:train:{model_seq_id}"
-        if model_id in self.models or model_id in self._gone or model_id in self._waiting:
+        model_id = self.model_slot(session, model_seq_id)
+        if self.run_in_use(model_id):
             raise InvalidRequest("model_seq_id", model_seq_id, f"already used in this session (model {model_id})")
         return TrainingModel(model_id, session.session_id, owner, base_model, lora, user_metadata)
+
+    @staticmethod
+    def model_slot(session: Session, model_seq_id: int) -> str:
+        """The id of the training run in ``session``'s slot ``model_seq_id`` (a model's, or a copy's)."""
+        return f"{session.session_id}:train:{model_seq_id}"
+
+    def run_in_use(self, model_id: str) -> bool:
+        """Whether a model has or had ``model_id`` on this server (live, waiting for a slot, or gone)."""
+        return model_id in self.models or model_id in self._gone or model_id in self._waiting
 
     @property
     def waiting(self) -> int:

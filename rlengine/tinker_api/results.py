@@ -23,6 +23,7 @@ from rlengine.core.futures import RequestFuture
 from rlengine.tinker_api import wire
 from rlengine.tinker_api.errors import Forbidden, Gone, NotSupported, UnknownResource, failure_category
 from rlengine.tinker_api.futures import FutureEntry, FuturesTable, wait_settled
+from rlengine.tinker_api.prompt_scoring import TargetLayout
 from rlengine.tinker_api.proto import encode_forward_backward_output, encode_sample_response
 from rlengine.tinker_api.registry import Registry
 from rlengine.types import ForwardBackwardOutput, SampleResponse
@@ -44,11 +45,12 @@ def render_forward_backward(result: ForwardBackwardOutput, want_proto: bool) -> 
     return _JSON, _json.encode(wire.forward_backward_json(result))
 
 
-def sample_renderer(last_n: int | None) -> Callable[[SampleResponse, bool], tuple[str, bytes]]:
+def sample_renderer(last_n: int | None, target_layout: TargetLayout | None = None
+                    ) -> Callable[[SampleResponse, bool], tuple[str, bytes]]:
     def render(result: SampleResponse, want_proto: bool) -> tuple[str, bytes]:
         if want_proto:
-            return _PROTO, encode_sample_response(result, last_n)
-        return _JSON, _json.encode(wire.sample_response_json(result, last_n))
+            return _PROTO, encode_sample_response(result, last_n, target_layout)
+        return _JSON, _json.encode(wire.sample_response_json(result, last_n, target_layout))
     return render
 
 

@@ -24,24 +24,37 @@ the same here (a local server shares nothing with other accounts); a
 checkpoint is gone from disk; a sampling session already open on it keeps
 its weights while they are installed.
 
-Disk scans and deletions run in a worker thread; the rest on the loop
-thread. Nothing here touches the engine.
+Also the calls on one checkpoint by path: ``weights_info`` (what loading it
+needs: base model and LoRA settings) and ``copy_weights``: a copy of a
+checkpoint under a new training run, which shares its files (hard links,
+as Tinker's copies share storage), keeps its kind and name, and is never
+a live model (it cannot be trained on; ``load_weights`` reads it like any
+checkpoint). The copy's run is the destination session's ``model_seq_id``
+slot, or a fresh ``copy-...`` id for a ``destination_project_id`` (rlengine
+has no projects: the id is recorded, and the copy is the caller's). A retry
+of a copy into the same slot answers the same path.
+
+Disk scans, copies and deletions run in a worker thread; the rest on the
+loop thread. Nothing here touches the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Any
 
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
-from rlengine.tinker_api.errors import Forbidden, NotSupported
+from rlengine.tinker_api import wire
+from rlengine.tinker_api.errors import Forbidden, NotSupported, UnknownResource
 from rlengine.tinker_api.registry import Registry
 from rlengine.tinker_api.training import TrainingModel
 
-__all__ = ["TrainingRuns"]
+__all__ = ["TrainingRuns", "check_access_scope", "check_page"]
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 _ACCESS_SCOPES = ("owned", "accessible")
@@ -63,13 +76,14 @@ def _newest_first(stored: list[ckpt.StoredCheckpoint]) -> list[ckpt.StoredCheckp
     return sorted(stored, key=lambda c: (c.time, c.path.uri), reverse=True)
 
 
-def _page(field: str, limit: int, offset: int) -> None:
+def check_page(field: str, limit: int, offset: int) -> None:
+    """A page's ``limit`` and ``offset``, each >= 0."""
     for name, value in ((f"{field}.limit", limit), (f"{field}.offset", offset)):
         if value < 0:
             raise InvalidRequest(name, value, "must be >= 0")
 
 
-def _scope(access_scope: str) -> None:
+def check_access_scope(access_scope: str) -> None:
     if access_scope not in _ACCESS_SCOPES:
         raise InvalidRequest("access_scope", access_scope, f"must be one of {', '.join(_ACCESS_SCOPES)}")
 
@@ -117,8 +131,8 @@ class TrainingRuns:
 
     async def list_training_runs(self, owner: str, limit: int, offset: int, access_scope: str,
                                  project_id: str | None) -> dict[str, Any]:
-        _page("training_runs", limit, offset)
-        _scope(access_scope)
+        check_page("training_runs", limit, offset)
+        check_access_scope(access_scope)
         if project_id is not None:
             raise NotSupported("project_id", project_id, "rlengine has no projects to filter training runs by")
         by_run: dict[str, list[ckpt.StoredCheckpoint]] = defaultdict(list)
@@ -132,7 +146,7 @@ class TrainingRuns:
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
     async def get_training_run(self, owner: str, model_id: str, access_scope: str) -> dict[str, Any]:
-        _scope(access_scope)
+        check_access_scope(access_scope)
         live, stored = await self._resolve(owner, model_id)
         return self._run(model_id, live, stored)[1]
 
@@ -141,7 +155,7 @@ class TrainingRuns:
         return {"checkpoints": [_checkpoint(c) for c in _newest_first(stored)], "cursor": None}
 
     async def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
-        _page("checkpoints", limit, offset)
+        check_page("checkpoints", limit, offset)
         mine = _newest_first([c for c in await self._stored() if c.meta.get("owner") == owner])
         return {"checkpoints": [_checkpoint(c) for c in mine[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)}}
@@ -154,3 +168,42 @@ class TrainingRuns:
         if meta.get("owner") != owner:
             raise Forbidden("checkpoint_id", path.uri, "the checkpoint belongs to a session of another API key")
         await asyncio.to_thread(ckpt.delete, self.root, path)
+
+    # -- one checkpoint by path ---------------------------------------------------------------
+
+    def weights_info(self, owner: str, body: wire.WeightsInfoRequest) -> dict[str, Any]:
+        """What loading ``tinker_path`` needs: its base model and LoRA settings (Tinker's ``WeightsInfoResponse``)."""
+        _, _, meta = self.registry.checkpoint(owner, "tinker_path", body.tinker_path)
+        lora = meta.get("lora")
+        if lora is None:
+            return {"base_model": meta["base_model"], "is_lora": False}
+        return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora["rank"],
+                **{key: lora.get(key) for key in ("train_unembed", "train_mlp", "train_attn")}}
+
+    async def copy_weights(self, owner: str, body: wire.CopyWeightsRequest) -> dict[str, Any]:
+        """A copy of ``source_path`` under a new training run (module docstring); answers its path."""
+        if body.weights_access_token is not None:
+            raise NotSupported("weights_access_token", "***", "a local server holds no other accounts' checkpoints")
+        source, _, meta = self.registry.checkpoint(owner, "source_path", body.source_path)
+        if body.session_id is not None:
+            if body.model_seq_id is None:
+                raise InvalidRequest("model_seq_id", None, "is required with session_id")
+            run_id = self.registry.model_slot(self.registry.session(owner, body.session_id), body.model_seq_id)
+        elif body.destination_project_id is not None:
+            run_id = f"copy-{secrets.token_hex(8)}"
+        else:
+            raise InvalidRequest("destination_project_id", None, "give destination_project_id, or session_id and "
+                                 "model_seq_id")
+        target = ckpt.CheckpointPath(run_id, source.segment, source.name)
+        if self.registry.run_in_use(run_id) or os.path.isdir(os.path.join(self.root, run_id)):
+            try:
+                _, earlier = await asyncio.to_thread(ckpt.read_meta, self.root, target)
+            except UnknownResource:
+                earlier = {}
+            if earlier.get("owner") == owner and earlier.get("copied_from") == source.uri:
+                return {"tinker_path": target.uri}  # a retried copy
+            raise InvalidRequest("model_seq_id", body.model_seq_id, f"training run {run_id} already exists")
+        copied = {**meta, "model_id": run_id, "owner": owner, "copied_from": source.uri,
+                  "ttl_seconds": body.ttl_seconds, "project_id": body.destination_project_id}
+        await asyncio.to_thread(ckpt.copy, self.root, source, target, copied)
+        return {"tinker_path": target.uri}

@@ -9,11 +9,16 @@ are opened by ``save_weights_for_sampler`` (``training_calls``).
 engine accepts, registers its future with a renderer that honours
 ``prompt_logprobs_last_n``, and hands it to a ``SampleCall`` (``sampling``),
 which pins it to its session's weights; its completion goes into the
-session's log for ``retrieve_futures``. ``topk_sample_logprobs`` and
+session's log for ``retrieve_futures``, and its sequences into the
+server's ``SequenceRecords`` (``stability``), with the behaviour logprobs
+and policy versions ``stable_reinforce`` needs when the request sets
+``record_stability_info``. ``topk_sample_logprobs`` and
 ``topk_prompt_logprobs`` are served up to what the backend reports
 (``Capabilities.top_logprobs`` and ``prompt_top_logprobs``: 20 for torch
 and vLLM) and answer ``not_supported`` on a backend that reports none (the
-sim). A repeated ``seq_id`` (a retry whose first answer was lost) gets the
+sim); ``target_prompt_logprobs`` and ``prompt_alt_tokens_k`` likewise where
+the backend has ``Capabilities.prompt_scores`` (torch; ``prompt_scoring``
+checks them). A repeated ``seq_id`` (a retry whose first answer was lost) gets the
 first request's id back.
 
 Loop thread only; nothing here waits for a sample.
@@ -23,14 +28,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api import checkpoints as ckpt
 from rlengine.tinker_api import wire
 from rlengine.tinker_api.errors import Gone, NotSupported
 from rlengine.tinker_api.futures import FuturesTable
+from rlengine.tinker_api.prompt_scoring import prompt_scoring
 from rlengine.tinker_api.registry import Registry
 from rlengine.tinker_api.results import sample_renderer
 from rlengine.tinker_api.sampling import BASE, SampleCall, Snapshot
+from rlengine.tinker_api.stability import SequenceRecords
 
 __all__ = ["SamplingCalls"]
 
@@ -38,9 +47,10 @@ __all__ = ["SamplingCalls"]
 class SamplingCalls:
     """The calls of sampling sessions, over the registry's engine and sampler weights. Loop thread only."""
 
-    def __init__(self, registry: Registry, futures: FuturesTable) -> None:
+    def __init__(self, registry: Registry, futures: FuturesTable, records: SequenceRecords) -> None:
         self.registry = registry
         self.futures = futures
+        self.records = records
         self.engine = registry.engine
         self.weights = registry.weights
 
@@ -80,11 +90,6 @@ class SamplingCalls:
             raise NotSupported("sampling_session_id", None, "sampling without a sampling session is not supported "
                                "by rlengine (create_sampling_session first)")
         ss = self.registry.sampler(owner, body.sampling_session_id)
-        for field, value, off in (("prompt_alt_tokens_k", body.prompt_alt_tokens_k, 0),
-                                  ("target_prompt_logprobs", body.target_prompt_logprobs, None),
-                                  ("record_stability_info", bool(body.record_stability_info), False)):
-            if value != off:
-                raise NotSupported(field, value, "not supported by rlengine")
         caps = self.engine.backend.capabilities
         sample_k = self._top_k("topk_sample_logprobs", body.topk_sample_logprobs, caps.top_logprobs,
                                "sampled token")
@@ -99,16 +104,26 @@ class SamplingCalls:
         if last_n is not None and (not want_lps or last_n > prompt.length - 1):
             raise InvalidRequest("prompt_logprobs_last_n", last_n, f"needs prompt_logprobs and must be in "
                                  f"[1, {prompt.length - 1}]")
+        targets, layout = (None, None) if body.target_prompt_logprobs is None else wire.prompt_targets(
+            body.target_prompt_logprobs, "target_prompt_logprobs")
+        scoring = prompt_scoring(targets, body.prompt_alt_tokens_k, prompt.length, self.engine.backend)
+        if scoring is not None:
+            spec = msgspec.structs.replace(spec, prompt_scoring=scoring)
         if body.seq_id is not None and body.seq_id in ss.seen:
             rid = ss.seen[body.seq_id]
             return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
-        entry = self.futures.add("sample", owner, sample_renderer(last_n))
+        entry = self.futures.add("sample", owner, sample_renderer(last_n, layout))
         call = SampleCall(self.weights, ss, spec, entry.future)
         entry.cancel = call.cancel
         if body.seq_id is not None:
             ss.remember(body.seq_id, entry.request_id)
         log = ss.log((body.seq_id or 0) // 1_000_000_000)
         rid = entry.request_id
+        records, stable = self.records, bool(body.record_stability_info)
+        weights_key = ss.key if ss.key is not None else ss.inflight_model
+        # Recorded before the log says finished: a client that learns of it may train on its sequence ids.
+        entry.future.add_done_callback(lambda f: f.exception(0) is not None or records.record(
+            owner, ss.session_id, rid, spec.prompt, f.result(0), stable, weights_key))
         entry.future.add_done_callback(lambda f: log.record(rid, "failed" if f.exception(0) else "finished"))
         call.run()
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}

@@ -21,12 +21,14 @@ Served under ``/api/v1``: ``client/config``, ``client/dynamic_config``,
 ``samplers/{id}``, ``asample``, ``retrieve_future``, ``retrieve_futures``,
 ``cancel_future``, the REST listings ``GET training_runs``,
 ``GET training_runs/{id}``, ``GET training_runs/{id}/checkpoints``,
-``DELETE training_runs/{id}/checkpoints/{kind}/{name}`` and
-``GET checkpoints`` (``runs``), and ``telemetry`` (accepted and dropped: a
-local server collects no analytics). Any other path answers 404
-``not_supported`` naming it (custom losses, weight copies, external
-exports, publishing, sessions listings, billing and auth-token exchange are
-Tinker-service features rlengine does not have).
+``DELETE training_runs/{id}/checkpoints/{kind}/{name}``,
+``GET checkpoints``, ``weights_info`` and ``copy_weights`` (``runs``),
+``GET sessions`` and ``GET sessions/{id}``, and ``telemetry`` (accepted and
+dropped: a local server collects no analytics). Any other path answers 404
+``not_supported`` naming it (server-side custom losses, external exports,
+publishing, billing and auth-token exchange are Tinker-service features
+rlengine does not have); a refused call on a training model still consumes
+its ``seq_id`` whatever refused it (``_take_turn``).
 
 Auth: the SDK sends ``X-API-Key``; every request must carry the server's key
 (``TinkerServer.api_key``: the configured ``api_key``, or one drawn at start
@@ -217,6 +219,7 @@ class TinkerServer:
             raise
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed error body
             exc = err
+        await self._take_turn(request, exc)
         status, body = error_response(exc)
         response = _json_response(body, status)
         if request.path == f"{_PREFIX}/client/config":
@@ -257,18 +260,21 @@ class TinkerServer:
 
         return handle
 
-    def _train(self, kind: type, method: Callable[[str, Any], Any]) -> Callable[[web.Request], Awaitable[Any]]:
-        """``_call`` for a call on a training model: a refusal still consumes the call's ``seq_id``."""
-
-        async def handle(request: web.Request) -> web.Response:
-            raw = await self._body(request)
-            try:
-                return _json_response(method(request[_OWNER], self._decode(raw, kind)))
-            except Exception as exc:
-                self._svc.training.refused(request[_OWNER], *wire.call_header(raw), exc)
-                raise
-
-        return handle
+    async def _take_turn(self, request: web.Request, exc: BaseException) -> None:
+        """A refused call on a training model still consumes its ``seq_id``, whatever refused it and with
+        whatever status (a body that does not decode, an unknown loss, an endpoint not served here such
+        as ``save_weights_external``): the SDK numbers every call of a model, and the model's next call
+        would otherwise wait ``hold_timeout_s`` for this one. Only the caller's own model (an
+        unauthenticated request names no owner), and not for a body too large to read."""
+        owner = request.get(_OWNER)
+        if owner is None or request.method != "POST" or self.service is None or isinstance(exc, PayloadTooLarge):
+            return
+        try:
+            raw = await request.read()
+        except Exception:  # noqa: BLE001 - a body that cannot be read names no call
+            return
+        proto = "application/x-protobuf" in request.headers.get("Content-Type", "")
+        self.service.training.refused(owner, *(call_header(raw) if proto else wire.call_header(raw)), exc)
 
     @property
     def _svc(self) -> TinkerService:
@@ -296,11 +302,11 @@ class TinkerServer:
             post(f"{p}/unload_model", self._call(wire.UnloadModelRequest, svc.unload_model)),
             post(f"{p}/forward_backward", self._forward_backward),
             post(f"{p}/forward", self._forward),
-            post(f"{p}/optim_step", self._train(wire.OptimStepRequest, svc.training.optim_step)),
-            post(f"{p}/save_weights", self._train(wire.SaveWeightsRequest, svc.training.save_weights)),
+            post(f"{p}/optim_step", self._call(wire.OptimStepRequest, svc.training.optim_step)),
+            post(f"{p}/save_weights", self._call(wire.SaveWeightsRequest, svc.training.save_weights)),
             post(f"{p}/save_weights_for_sampler",
-                 self._train(wire.SaveWeightsForSamplerRequest, svc.training.save_weights_for_sampler)),
-            post(f"{p}/load_weights", self._train(wire.LoadWeightsRequest, svc.training.load_weights)),
+                 self._call(wire.SaveWeightsForSamplerRequest, svc.training.save_weights_for_sampler)),
+            post(f"{p}/load_weights", self._call(wire.LoadWeightsRequest, svc.training.load_weights)),
             post(f"{p}/create_sampling_session",
                  self._call(wire.CreateSamplingSessionRequest, svc.sampling.create_sampling_session)),
             post(f"{p}/join_sampling_session",
@@ -315,6 +321,10 @@ class TinkerServer:
             get(f"{p}/training_runs/{{run_id}}/checkpoints", self._list_checkpoints),
             web.delete(f"{p}/training_runs/{{run_id}}/checkpoints/{{segment}}/{{name}}", self._delete_checkpoint),
             get(f"{p}/checkpoints", self._list_user_checkpoints),
+            post(f"{p}/weights_info", self._call(wire.WeightsInfoRequest, svc.runs.weights_info)),
+            post(f"{p}/copy_weights", self._copy_weights),
+            get(f"{p}/sessions", self._list_sessions),
+            get(f"{p}/sessions/{{session_id}}", self._get_session),
             web.route("*", "/{tail:.*}", self._unknown),
         ]
 
@@ -369,13 +379,8 @@ class TinkerServer:
     async def _fwdbwd(self, request: web.Request, forward_only: bool) -> web.Response:
         raw = await self._body(request)
         proto = "application/x-protobuf" in request.headers.get("Content-Type", "")
-        try:
-            decoded = await self._fwdbwd_request(raw, proto, forward_only)
-            return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
-        except Exception as exc:
-            header = call_header(raw) if proto else wire.call_header(raw)
-            self._svc.training.refused(request[_OWNER], *header, exc)
-            raise
+        decoded = await self._fwdbwd_request(raw, proto, forward_only)
+        return _json_response(self._svc.training.forward_backward(request[_OWNER], decoded))
 
     async def _retrieve_future(self, request: web.Request) -> web.Response:
         body = self._decode(await self._body(request), wire.FutureRetrieveRequest)
@@ -415,6 +420,19 @@ class TinkerServer:
     async def _list_user_checkpoints(self, request: web.Request) -> web.Response:
         return _json_response(await self._svc.runs.list_user_checkpoints(
             request[_OWNER], self._query_int(request, "limit", 100), self._query_int(request, "offset", 0)))
+
+    async def _copy_weights(self, request: web.Request) -> web.Response:
+        body = self._decode(await self._body(request), wire.CopyWeightsRequest)
+        return _json_response(await self._svc.runs.copy_weights(request[_OWNER], body))
+
+    async def _list_sessions(self, request: web.Request) -> web.Response:
+        return _json_response(self._svc.list_sessions(
+            request[_OWNER], self._query_int(request, "limit", 20), self._query_int(request, "offset", 0),
+            request.query.get("access_scope", "owned")))
+
+    async def _get_session(self, request: web.Request) -> web.Response:
+        return _json_response(self._svc.get_session(request[_OWNER], request.match_info["session_id"],
+                                                    request.query.get("access_scope", "owned")))
 
     async def _delete_checkpoint(self, request: web.Request) -> web.Response:
         info = request.match_info

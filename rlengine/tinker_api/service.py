@@ -16,9 +16,10 @@ sampling sessions and ``asample``), ``Results`` (``results``: retrieving
 and cancelling futures) and ``TrainingRuns`` (``runs``: the REST listings
 of training runs and checkpoints, and deleting checkpoints). This module
 holds the rest: the lifecycle, discovery and client configuration,
-sessions, and creating, describing and unloading models; the HTTP layer
-routes every other call to its part (``service.training``,
-``service.sampling``, ``service.results``, ``service.runs``).
+sessions (creating, describing and listing them), and creating,
+describing and unloading models; the HTTP layer routes every other call
+to its part (``service.training``, ``service.sampling``,
+``service.results``, ``service.runs``).
 
 Ownership: a session belongs to the API key that created it (a digest of
 it, never the key), and so do its models, sampling sessions, checkpoints
@@ -48,9 +49,10 @@ from rlengine.tinker_api.errors import NotSupported
 from rlengine.tinker_api.futures import FuturesTable
 from rlengine.tinker_api.registry import Registry
 from rlengine.tinker_api.results import Results, relay, render_json
-from rlengine.tinker_api.runs import TrainingRuns
+from rlengine.tinker_api.runs import TrainingRuns, check_access_scope, check_page
 from rlengine.tinker_api.sampling import SamplerWeights
 from rlengine.tinker_api.sampling_calls import SamplingCalls
+from rlengine.tinker_api.stability import SequenceRecords
 from rlengine.tinker_api.training import build_trainer
 from rlengine.tinker_api.training_calls import TrainingCalls
 
@@ -71,8 +73,11 @@ class TinkerService:
         self.weights = SamplerWeights(engine, config.sampler_snapshots_kept, self._base_weights)
         self.registry = Registry(engine, config, self.root, self.weights)
         self.registry.check_aliases()
-        self.training = TrainingCalls(self.registry, self.futures)
-        self.sampling = SamplingCalls(self.registry, self.futures)
+        # The sampled sequences training datums name (provenance), shared by both parts.
+        self.records = SequenceRecords(config.max_recorded_sequences, config.max_recorded_bytes,
+                                       config.recorded_ttl_s)
+        self.training = TrainingCalls(self.registry, self.futures, self.records)
+        self.sampling = SamplingCalls(self.registry, self.futures, self.records)
         self.results = Results(self.registry, self.futures)
         self.runs = TrainingRuns(self.registry)
         self._sweeper: asyncio.TimerHandle | None = None
@@ -143,10 +148,26 @@ class TinkerService:
 
     # -- sessions -----------------------------------------------------------------------
 
-    def create_session(self, owner: str, _body: wire.CreateSessionRequest) -> dict[str, Any]:
+    def create_session(self, owner: str, body: wire.CreateSessionRequest) -> dict[str, Any]:
         session_id = self.futures.new_id("session")
-        self.registry.new_session(session_id, owner)
+        self.registry.new_session(session_id, owner, body.user_metadata, body.display_name)
         return {"type": "create_session", "session_id": session_id}
+
+    def get_session(self, owner: str, session_id: str, access_scope: str) -> dict[str, Any]:
+        """A live session's training runs (its models, by slot) and sampling sessions (Tinker's
+        ``GetSessionResponse``); ``access_scope`` ``owned`` and ``accessible`` are the same here."""
+        check_access_scope(access_scope)
+        session = self.registry.session(owner, session_id)
+        return {"training_run_ids": [self.registry.model_slot(session, seq) for seq in session.models],
+                "sampler_ids": list(session.samplers.values()), "user_metadata": session.user_metadata,
+                "display_name": session.display_name}
+
+    def list_sessions(self, owner: str, limit: int, offset: int, access_scope: str) -> dict[str, Any]:
+        """The caller's live sessions, newest first, paged (Tinker's ``ListSessionsResponse``)."""
+        check_page("sessions", limit, offset)
+        check_access_scope(access_scope)
+        mine = [sid for sid, s in reversed(self.registry.sessions.items()) if s.owner == owner]
+        return {"sessions": mine[offset:offset + limit]}
 
     def heartbeat(self, owner: str, body: wire.SessionHeartbeatRequest) -> dict[str, Any]:
         self.registry.session(owner, body.session_id)

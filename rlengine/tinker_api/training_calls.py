@@ -18,6 +18,11 @@ A call refused at submission (bad data, an unknown loss, a checkpoint
 name in use) still consumes its ``seq_id`` (``refused``): otherwise the
 model's next call would wait ``hold_timeout_s`` for it.
 
+Datums with provenance spans (tinker-cookbook 0.6.1 attaches them to every
+RL datum) are checked against the sampled sequences they name
+(``stability``) before anything is queued, within the model's own session;
+for ``stable_reinforce`` they also bring in the recorded behaviour logprobs.
+
 Loop thread only; the closures handed to the engine run on the compute
 thread. The calls of sampling sessions live in ``sampling_calls``.
 """
@@ -40,6 +45,7 @@ from rlengine.tinker_api.proto import FwdBwdRequest
 from rlengine.tinker_api.registry import Registry
 from rlengine.tinker_api.results import relay, render_forward_backward, render_json
 from rlengine.tinker_api.sampling import Snapshot
+from rlengine.tinker_api.stability import SequenceRecords
 from rlengine.tinker_api.training import TrainingModel, build_trainer, snapshot_weights, take_snapshot
 from rlengine.trainer.losses import validate_data
 
@@ -51,9 +57,10 @@ _FORMAT = "rlengine-tinker-1"
 class TrainingCalls:
     """The calls on training models, over the registry's engine and sampler weights. Loop thread only."""
 
-    def __init__(self, registry: Registry, futures: FuturesTable) -> None:
+    def __init__(self, registry: Registry, futures: FuturesTable, records: SequenceRecords) -> None:
         self.registry = registry
         self.futures = futures
+        self.records = records
         self.engine = registry.engine
         self.weights = registry.weights
         self.root = registry.root
@@ -94,10 +101,13 @@ class TrainingCalls:
     def forward_backward(self, owner: str, request: FwdBwdRequest) -> dict[str, Any]:
         model = self.registry.model(owner, request.model_id)
         wire.check_loss_fn(request.loss_fn)
-        backend = self.engine.backend
-        thresholds = validate_data(request.data, request.loss_fn, request.loss_fn_config, backend.vocab_size,
-                                   backend.max_model_len)
         data, loss_fn = request.data, request.loss_fn
+        if loss_fn == "stable_reinforce":
+            data = self.records.resolve(owner, model.session_id, data)
+        else:
+            self.records.check(owner, model.session_id, data)
+        backend = self.engine.backend
+        thresholds = validate_data(data, loss_fn, request.loss_fn_config, backend.vocab_size, backend.max_model_len)
         if request.forward_only:
             return self._train_call(owner, model, request.seq_id, "forward",
                                     lambda: model.require().forward(data, loss_fn, thresholds),

@@ -13,7 +13,12 @@ names the tensor's key in ``loss_fn_inputs`` (msgspec's path would show
 ``[...]`` there). The converters turn wire values into rlengine's own types
 (``ModelInput``, ``SamplingParams``, ``Datum``, ``AdamParams``), raising
 ``InvalidRequest`` (or ``NotSupported`` for features rlengine lacks, such as
-image chunks) with the field path.
+image chunks) with the field path. A datum's provenance spans (protobuf's
+JSON mapping of ``ProvenanceSpan``: ``{"sampled_tokens": {"sequence_id",
+"offset", "length"}}`` or ``prompt_tokens``) make it a ``ProvenancedDatum``;
+``stability`` checks them against what was sampled. ``prompt_targets`` reads a
+sample's ``target_prompt_logprobs`` (the cells a sparse one does not list are
+-1, asking nothing); ``prompt_scoring`` checks it.
 
 Results go out as JSON through ``sample_response_json`` and
 ``forward_backward_json`` when a client does not ask for protobuf (the SDK
@@ -31,12 +36,15 @@ import numpy as np
 
 from rlengine.errors import InvalidRequest
 from rlengine.tinker_api.errors import NotSupported
+from rlengine.tinker_api.prompt_scoring import TargetLayout, alt_tensors, target_tensor
+from rlengine.tinker_api.stability import Span, provenanced
 from rlengine.types import (
     LOSS_FNS,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     ModelInput,
+    PromptScores,
     SampleResponse,
     SamplingParams,
     TensorData,
@@ -50,7 +58,7 @@ __all__ = [
     "FuturesRetrieveRequest", "GetInfoRequest", "JoinSamplingSessionRequest", "LoadWeightsRequest", "LoraConfigWire",
     "OptimStepRequest", "SampleRequest", "SaveWeightsForSamplerRequest", "SaveWeightsRequest",
     "SessionHeartbeatRequest", "UnloadModelRequest", "adam_params", "call_header", "check_loss_fn", "check_optimizer",
-    "datum", "forward_backward_json", "model_input", "sample_response_json", "sampling_params",
+    "datum", "forward_backward_json", "model_input", "prompt_targets", "sample_response_json", "sampling_params",
 ]
 
 
@@ -178,6 +186,19 @@ class LoadWeightsRequest(_Body):
     weights_access_token: str | None = None
 
 
+class CopyWeightsRequest(_Body):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    destination_project_id: str | None = None
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
+class WeightsInfoRequest(_Body):
+    tinker_path: str
+
+
 class EncodedTextChunk(_Body, tag_field="type", tag="encoded_text"):
     tokens: list[int]
 
@@ -219,9 +240,11 @@ class SampleRequest(_Checked):
     topk_prompt_logprobs: NonNegativeInt = 0
     """0: none; at most what the backend reports (checked against it by ``SamplingCalls``)."""
     topk_sample_logprobs: NonNegativeInt = 0
-    target_prompt_logprobs: Any = None
+    target_prompt_logprobs: TensorDataWire | None = None
+    """int64 token ids [len(prompt) - 1, K] to score (-1: none), dense or sparse (``prompt_targets``;
+    checked against the prompt and backend by ``prompt_scoring``)."""
     prompt_alt_tokens_k: NonNegativeInt = 0
-    """Not supported beyond 0."""
+    """Draws at every prompt position after the first (``prompt_scoring``)."""
     prompt_logprobs_last_n: PositiveInt | None = None
     """At most the prompt's length - 1 (checked against it by ``SamplingCalls``)."""
     record_stability_info: bool | None = None
@@ -235,9 +258,25 @@ class TensorDataWire(_Body):
     sparse_col_indices: list[int] | None = None
 
 
+class SpanRunWire(_Body):
+    sequence_id: str
+    length: int
+    offset: int = 0
+
+
+class ProvenanceSpanWire(_Body):
+    """One provenance run, as protobuf's JSON mapping writes the ``ProvenanceSpan`` oneof: exactly one of
+    ``prompt_tokens`` (a ``PromptProvenanceSpan``) and ``sampled_tokens`` (a ``SampledProvenanceSpan``)."""
+
+    prompt_tokens: SpanRunWire | None = None
+    sampled_tokens: SpanRunWire | None = None
+
+
 class DatumWire(_Body):
     model_input: ModelInputWire
     loss_fn_inputs: dict[str, TensorDataWire]
+    model_input_spans: list[ProvenanceSpanWire] | None = None
+    loss_fn_input_spans: list[ProvenanceSpanWire] | None = None
 
 
 class ForwardBackwardInputWire(_Body):
@@ -303,18 +342,16 @@ def call_header(body: bytes) -> tuple[str | None, int | None]:
 # A name the SDK (0.38) can send that rlengine knows but does not serve answers ``not_supported``;
 # a name neither knows stays ``invalid``.
 
-_LOSSES_NOT_SERVED = ("stable_reinforce",)
 _OPTIMIZERS_NOT_SERVED = ("dimuon",)
 
 
 def check_loss_fn(loss_fn: str) -> None:
-    """Refuse the SDK's losses rlengine lacks as ``NotSupported`` (unknown names are left to validation)."""
+    """Refuse the SDK's loss rlengine lacks (``custom``) as ``NotSupported`` (unknown names are left to
+    validation)."""
     if loss_fn == "custom":
         raise NotSupported("loss_fn", loss_fn, "server-side custom losses (create_custom_loss) are not served "
-                           "by rlengine; forward_backward_custom with a Python loss function runs in the client")
-    if loss_fn in _LOSSES_NOT_SERVED:
-        raise NotSupported("loss_fn", loss_fn, f"the Tinker loss {loss_fn!r} is not implemented by rlengine "
-                           f"(it serves {', '.join(LOSS_FNS)})")
+                           f"by rlengine (it serves {', '.join(LOSS_FNS)}); forward_backward_custom with a "
+                           "Python loss function runs in the client")
 
 
 def check_optimizer(field: str, family: object) -> None:
@@ -359,7 +396,8 @@ def adam_params(wire: AdamParamsWire) -> AdamParams:
 _DTYPES = {"int64": np.int64, "float32": np.float32}
 
 
-def _tensor(wire: TensorDataWire, field: str) -> TensorData:
+def _tensor(wire: TensorDataWire, field: str, pad: int = 0) -> TensorData:
+    """A dense ``TensorData``; a sparse CSR one has ``pad`` in every cell it does not list."""
     np_dtype = _DTYPES.get(wire.dtype)
     if np_dtype is None:
         raise InvalidRequest(f"{field}.dtype", wire.dtype, "must be 'int64' or 'float32'")
@@ -375,7 +413,7 @@ def _tensor(wire: TensorDataWire, field: str) -> TensorData:
                 crow[0] != 0 or crow[-1] != values.size or np.any(np.diff(crow) < 0))) \
                 or (len(col) and (col.min() < 0 or col.max() >= shape[1])):
             raise InvalidRequest(f"{field}.sparse_crow_indices", shape, "is not a valid CSR layout of a 2-D tensor")
-        dense = np.zeros(shape, dtype=np_dtype)
+        dense = np.full(shape, pad, dtype=np_dtype)
         dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
         values = dense
     if any(d < 0 for d in shape) or math.prod(shape) != values.size:
@@ -383,24 +421,58 @@ def _tensor(wire: TensorDataWire, field: str) -> TensorData:
     return TensorData.from_numpy(values.reshape(shape))
 
 
+def prompt_targets(wire: TensorDataWire, field: str) -> tuple[np.ndarray, TargetLayout | None]:
+    """``target_prompt_logprobs`` as a dense int64 array (-1 where a sparse one lists no cell) and, when
+    it came sparse, its CSR indices (its response keeps them)."""
+    if wire.dtype != "int64":
+        raise InvalidRequest(f"{field}.dtype", wire.dtype, "must be 'int64' (token ids)")
+    if wire.shape is None or len(wire.shape) != 2:
+        raise InvalidRequest(f"{field}.shape", wire.shape, "must be 2-D, [len(prompt) - 1, K]")
+    dense = _tensor(wire, field, pad=-1).to_numpy()
+    if wire.sparse_crow_indices is None:
+        return dense, None
+    return dense, TargetLayout(np.asarray(wire.sparse_crow_indices, dtype=np.int64),
+                               np.asarray(wire.sparse_col_indices or [], dtype=np.int64))
+
+
 def datum(wire: DatumWire, field: str) -> Datum:
-    return Datum(model_input=model_input(wire.model_input, f"{field}.model_input"),
-                 loss_fn_inputs={k: _tensor(v, f"{field}.loss_fn_inputs[{k!r}]") for k, v in wire.loss_fn_inputs.items()})
+    """A plain ``Datum``, or a ``ProvenancedDatum`` when it carries provenance spans (both lists, as the SDK
+    requires)."""
+    return provenanced(model_input(wire.model_input, f"{field}.model_input"),
+                       {k: _tensor(v, f"{field}.loss_fn_inputs[{k!r}]") for k, v in wire.loss_fn_inputs.items()},
+                       _spans(wire.model_input_spans, f"{field}.model_input_spans"),
+                       _spans(wire.loss_fn_input_spans, f"{field}.loss_fn_input_spans"), field)
+
+
+def _spans(wire: list[ProvenanceSpanWire] | None, field: str) -> tuple[Span, ...]:
+    out = []
+    for j, span in enumerate(wire or ()):
+        given = [(sampled, run) for sampled, run in ((False, span.prompt_tokens), (True, span.sampled_tokens))
+                 if run is not None]
+        if len(given) != 1:
+            raise InvalidRequest(f"{field}[{j}]", "both" if given else "neither",
+                                 "a span holds exactly one of prompt_tokens and sampled_tokens")
+        sampled, run = given[0]
+        out.append(Span(sampled, run.sequence_id, run.offset, run.length))
+    return tuple(out)
 
 
 # -- rlengine -> wire (JSON results) ----------------------------------------------------------
 
 
-def sample_response_json(response: SampleResponse, prompt_logprobs_last_n: int | None = None) -> dict[str, Any]:
+def sample_response_json(response: SampleResponse, prompt_logprobs_last_n: int | None = None,
+                         target_layout: TargetLayout | None = None) -> dict[str, Any]:
     """A sample result as JSON; top-k lists are ``[[token_id, logprob], ...]`` per position, None where
-    none was computed (a prompt's first token, and before the last ``prompt_logprobs_last_n``)."""
+    none was computed (a prompt's first token, and before the last ``prompt_logprobs_last_n``); prompt
+    scores as the SDK's ``TensorData`` (``target_layout``: a sparse request's, which its result keeps)."""
     sequences = []
     for s in response.sequences:
         seq: dict[str, Any] = {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs}
         if s.top_ids_raw:
             seq["topk_logprobs"] = [[list(pair) for pair in row] for row in s.top_logprobs]
         sequences.append(seq)
-    out: dict[str, Any] = {"type": "sample", "sequences": sequences}
+    out: dict[str, Any] = {"type": "sample", "sequences": sequences,
+                           "prompt_cache_hit_tokens": response.prompt_cache_hit_tokens}
     for key, values in (("prompt_logprobs", response.prompt_logprobs),
                         ("topk_prompt_logprobs", response.prompt_top_logprobs)):
         if values is None:
@@ -411,7 +483,22 @@ def sample_response_json(response: SampleResponse, prompt_logprobs_last_n: int |
         if key == "topk_prompt_logprobs":
             values = [None if row is None else [list(pair) for pair in row] for row in values]
         out[key] = values
+    if response.prompt_scores is not None:
+        _prompt_scores_json(out, response.prompt_scores, target_layout)
     return out
+
+
+def _prompt_scores_json(out: dict[str, Any], scores: PromptScores, layout: TargetLayout | None) -> None:
+    target = target_tensor(scores, layout)
+    if target is not None:
+        tensor = {"data": target[0].tolist(), "dtype": "float32", "shape": target[1]}
+        if layout is not None:
+            tensor.update(sparse_crow_indices=layout.crow.tolist(), sparse_col_indices=layout.col.tolist())
+        out["target_prompt_logprobs"] = tensor
+    alt = alt_tensors(scores)
+    if alt is not None:
+        out["prompt_alt_tokens"] = {"tokens": {"data": alt[0].tolist(), "dtype": "int64", "shape": alt[2]},
+                                    "logprobs": {"data": alt[1].tolist(), "dtype": "float32", "shape": alt[2]}}
 
 
 def forward_backward_json(output: ForwardBackwardOutput) -> dict[str, Any]:

@@ -7,20 +7,50 @@ logprob ``logp`` of the target under the current weights:
 * ``importance_sampling``: ``-ratio * advantages``, ``ratio = exp(logp - logprobs)``
 * ``ppo``:                 ``-min(ratio * A, clip(ratio, lo, hi) * A)``; defaults lo 0.8, hi 1.2
 * ``cispo``:               ``-stopgrad(clip(ratio, lo, hi)) * A * logp``; defaults lo 0.0, hi 4.0
-* ``dro``:                 ``-(logp * A - beta / 2 * (logp - logprobs)^2)``; ``loss_fn_config["beta"]``
-  required (d/dlogp = ``-(A - beta * (logp - logprobs))``)
+* ``dro``:                 ``-(logp * A - beta / 2 * (logp - logprobs)^2)``; ``loss_fn_config["beta"]``,
+  default 0.05 (d/dlogp = ``-(A - beta * (logp - logprobs))``)
 * ``gspo``:                ``-min(s_t * A, clip(s_t, lo, hi) * A)``, GSPO-token: every token's ratio
   ``s_t`` has the value of the datum's sequence ratio ``s = exp(mean over M of (logp - logprobs))``, ``M``
   the tokens whose ``sequence_ratio_mask`` (a required input) is non-zero, and the gradient of its own
   ``logp`` only (``s`` is a stop-gradient): d s_t/dlogp_t = ``s``, so d/dlogp is ppo's with ``s`` for the
-  ratio. ``clip_low_threshold`` and ``clip_high_threshold`` are required (no default is documented)
+  ratio. ``clip_low_threshold`` and ``clip_high_threshold`` default to 1 - 3e-4 and 1 + 4e-4
+* ``stable_reinforce``:    rlengine's definition (below): REINFORCE with truncated importance weights
+  to the behaviour policy, far-off-policy datums masked, an optional KL term
 
 Tinker documents ``dro`` at tinker-docs.thinkingmachines.ai/tinker/losses/dro and ``gspo`` (the
-GSPO-token variant) at .../tinker/losses/gspo. The dro page gives no default for ``beta``, and the part
-of the gspo page read for this gives none for the clip thresholds: rlengine takes them from the caller
-rather than guess. ``stable_reinforce`` is not served: it needs stability information that Tinker's
-sampler records server-side (``record_stability_info``, ``sequence_id``), and its objective is not
-published.
+GSPO-token variant) at .../tinker/losses/gspo, with no default for ``beta`` nor for the clip
+thresholds; a caller that passes none (the cookbook's ``rl_loop`` with ``loss_fn="gspo"``) gets
+rlengine's, from the published sources: gspo's clip range is the GSPO paper's (Zheng et al. 2025,
+arXiv:2507.18071, section 5.1: left and right clipping ranges 3e-4 and 4e-4 around a ratio of 1,
+sequence ratios being length-normalised and so far closer to 1 than token ratios); dro's ``beta`` is
+0.05, the value Tinker's dro page passes in its example (its papers, Richemond et al. 2024 and Kimi
+k1.5, tune their tau per task and publish no general default). Either key given alone keeps the
+other's default.
+
+**stable_reinforce** (rlengine's definition). Tinker publishes what its StableReinforce is made of
+(REINFORCE on the behaviour logprobs its sampler recorded, importance weights kept bounded on
+off-policy data, a ``kl_coeff``) but not its formula; this is rlengine's, built from those parts.
+``logprobs`` are the behaviour policy's (the sampler's) logprobs ``b`` of the targets; the Tinker
+server writes in the ones it recorded for each sampled sequence (``record_stability_info``), found
+through the datum's provenance spans, and sets ``mask`` to the sampled positions. With ``d = logp -
+b``, ``r = exp(d)`` and ``S`` the datum's action tokens (``mask`` > 0 if given, else a non-zero
+advantage):
+
+* token weight ``w = min(r, C)``, ``C = loss_fn_config["tis_cap"]`` (default 2): a truncated
+  importance weight;
+* sequence mask ``keep = lo <= exp(mean over S of d) <= hi`` (``geo_mask_low`` / ``geo_mask_high``,
+  defaults 0.5 / 2): a datum whose geometric-mean ratio left that range is far off policy and
+  contributes nothing (loss and gradient 0);
+* per action token, ``keep * (-w * A + kl_coeff * (r - 1 - d))``; other tokens 0.
+
+Its derivative with respect to ``logp`` is ``keep * (-w * A + kl_coeff * (r - 1))``: below the cap
+exactly ``importance_sampling``'s (value and gradient), above it ``-C * A`` (the weight is a constant,
+as in truncated importance sampling), so a token's policy-gradient term never exceeds ``C * |A|``
+however stale the sample. A trainer hands it one datum at a time (``SEQUENCE_LOSSES``). ``r - 1 - d`` is the k3 estimator of KL(behaviour || policy) on tokens the behaviour
+policy sampled (never negative); ``kl_coeff`` (default 0) is this loss's own and differs from
+``kl_coef`` (below), the KL to the initial weights, which may be set on top. The keys ``tis_cap`` and
+``geo_mask_*`` mean here what the off-policy corrections below mean, applied to ``r`` itself (the
+corrections, which need ``old_logprobs``, are not taken).
 
 ``logprobs`` are the sampler's logprobs of the same tokens. Because each
 loss is elementwise in ``logp``, ``elementwise`` returns both the loss and
@@ -111,19 +141,31 @@ raises ``InvalidRequest`` naming the datum and field.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from rlengine.errors import InvalidRequest
+from rlengine.trainer.loss_settings import (
+    CORRECTION_KEYS,
+    KL_ESTIMATORS,
+    RATIO_LOSSES,
+    LossSettings,
+    StableSettings,
+    as_settings,
+    clip_thresholds,
+    loss_settings,
+)
 from rlengine.types import LOSS_FNS, Datum
 
 __all__ = [
     "CORRECTION_KEYS",
     "KL_ESTIMATORS",
     "REQUIRED_INPUTS",
+    "SEQUENCE_LOSSES",
     "TRANSFORM_INPUTS",
     "LossSettings",
+    "StableSettings",
     "as_settings",
     "clip_thresholds",
     "concat_inputs",
@@ -137,7 +179,6 @@ __all__ = [
     "validate_data",
 ]
 
-KL_ESTIMATORS = (1, 2, 3)
 
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens",),
@@ -146,140 +187,14 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+    "stable_reinforce": ("target_tokens", "logprobs", "advantages"),
 }
-_OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
-_DEFAULT_CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+_OPTIONAL_INPUTS = {"cross_entropy": ("weights",), "stable_reinforce": ("mask",)}
+SEQUENCE_LOSSES = ("gspo", "stable_reinforce")
+"""Losses whose value at a token depends on the datum's other tokens (a sequence ratio, a sequence
+mask): a trainer hands ``elementwise`` one datum at a time for these."""
 TRANSFORM_INPUTS = ("temperature", "top_k", "top_p")
 """Per-token inputs of any loss: the sampling transform its ``logp`` is under."""
-_RATIO_LOSSES = ("importance_sampling", "ppo", "cispo")
-CORRECTION_KEYS = ("tis_cap", "mis_cap", "icepop_low", "icepop_high", "geo_mask_low", "geo_mask_high")
-_REQUIRED_CONFIG = {"dro": ("beta",), "gspo": ("clip_low_threshold", "clip_high_threshold")}
-"""``loss_fn_config`` keys a loss needs: Tinker documents no default for them."""
-
-
-class LossSettings(NamedTuple):
-    """What ``loss_fn_config`` says, resolved: clip range and entropy coefficient."""
-
-    clip_low: float
-    clip_high: float
-    entropy_coef: float = 0.0
-    kl_coef: float | None = None
-    """None: no reference KL; 0: measured, not penalised."""
-    kl_estimator: int = 3
-    beta: float = 0.0
-    """``dro``'s quadratic penalty coefficient."""
-    corrections: tuple[tuple[str, float], ...] = ()
-    """The off-policy correction keys set, with their values (``CORRECTION_KEYS`` order)."""
-
-    def correction(self, key: str) -> float | None:
-        return dict(self.corrections).get(key)
-
-    def config(self, loss_fn: str) -> dict[str, float]:
-        """The ``loss_fn_config`` that resolves to these settings (for re-validation)."""
-        out: dict[str, float] = {}
-        if loss_fn in _DEFAULT_CLIP or loss_fn == "gspo":
-            out |= {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
-        if loss_fn == "dro":
-            out["beta"] = self.beta
-        if self.entropy_coef:
-            out["entropy_coef"] = self.entropy_coef
-        if self.kl_coef is not None:
-            out |= {"kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator}
-        return out | dict(self.corrections)
-
-    @property
-    def masked(self) -> bool:
-        """Whether a ``mask`` input weighs the options on top (entropy bonus, reference KL)."""
-        return bool(self.entropy_coef) or self.kl_coef is not None
-
-
-def as_settings(thresholds: tuple[float, ...]) -> LossSettings:
-    """``LossSettings`` from what a trainer was handed: settings, or a bare ``(lo, hi)`` pair."""
-    if isinstance(thresholds, LossSettings):
-        return thresholds
-    lo, hi = thresholds
-    return LossSettings(float(lo), float(hi))
-
-
-def loss_settings(loss_fn: str, config: dict[str, Any] | None) -> LossSettings:
-    """Resolve ``loss_fn_config``: clip thresholds (ppo, cispo, gspo), ``beta`` (dro) and the options
-    on top (any loss)."""
-    lo, hi = _DEFAULT_CLIP.get(loss_fn, (0.0, math.inf))
-    config = config or {}
-    known = ("clip_low_threshold", "clip_high_threshold", "entropy_coef", "kl_coef", "kl_estimator", "beta",
-             *CORRECTION_KEYS)
-    for key in config:
-        if key not in known:
-            raise InvalidRequest(f"loss_fn_config[{key!r}]", config[key], f"unknown key (known: {', '.join(known)})")
-    for key in _REQUIRED_CONFIG.get(loss_fn, ()):
-        if key not in config:
-            raise InvalidRequest(f"loss_fn_config[{key!r}]", None, f"loss_fn={loss_fn!r} needs it (Tinker documents "
-                                 "no default)")
-    clip_keys = {"clip_low_threshold", "clip_high_threshold"} & set(config)
-    if clip_keys and loss_fn not in _DEFAULT_CLIP and loss_fn != "gspo":
-        raise InvalidRequest("loss_fn_config", config, f"loss_fn={loss_fn!r} takes no clip thresholds")
-    lo = config.get("clip_low_threshold", lo)
-    hi = config.get("clip_high_threshold", hi)
-    coef = config.get("entropy_coef", 0.0)
-    for name, v in (("clip_low_threshold", lo), ("clip_high_threshold", hi), ("entropy_coef", coef)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
-            raise InvalidRequest(f"loss_fn_config[{name!r}]", v, "must be a number >= 0")
-    if math.isinf(coef):
-        raise InvalidRequest("loss_fn_config['entropy_coef']", coef, "must be finite")
-    if lo > hi:
-        raise InvalidRequest("loss_fn_config", config, f"clip_low_threshold {lo} > clip_high_threshold {hi}")
-    kl = config.get("kl_coef")
-    if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not math.isfinite(kl)
-                           or kl < 0):
-        raise InvalidRequest("loss_fn_config['kl_coef']", kl, "must be a finite number >= 0")
-    estimator = config.get("kl_estimator", 3)
-    if estimator not in KL_ESTIMATORS or isinstance(estimator, bool):
-        raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "must be 1, 2 or 3 (k1, k2, k3)")
-    if "kl_estimator" in config and kl is None:
-        raise InvalidRequest("loss_fn_config['kl_estimator']", estimator, "needs kl_coef")
-    beta = _dro_beta(loss_fn, config)
-    return LossSettings(float(lo), float(hi), float(coef), None if kl is None else float(kl), int(estimator),
-                        beta=beta, corrections=_corrections(loss_fn, config))
-
-
-def _dro_beta(loss_fn: str, config: dict[str, Any]) -> float:
-    """``loss_fn_config["beta"]``: dro's penalty coefficient, a finite number >= 0 (dro only)."""
-    if "beta" not in config:
-        return 0.0
-    beta = config["beta"]
-    if loss_fn != "dro":
-        raise InvalidRequest("loss_fn_config['beta']", beta, f"loss_fn={loss_fn!r} takes no beta (dro does)")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
-        raise InvalidRequest("loss_fn_config['beta']", beta, "must be a finite number >= 0")
-    return float(beta)
-
-
-def _corrections(loss_fn: str, config: dict[str, Any]) -> tuple[tuple[str, float], ...]:
-    """The off-policy correction keys of ``config``, checked (see the module docstring)."""
-    given = [key for key in CORRECTION_KEYS if key in config]
-    if not given:
-        return ()
-    if loss_fn not in _RATIO_LOSSES:
-        raise InvalidRequest(f"loss_fn_config[{given[0]!r}]", config[given[0]],
-                             f"loss_fn={loss_fn!r} has no importance ratio to correct")
-    for key in given:
-        v = config[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise InvalidRequest(f"loss_fn_config[{key!r}]", v, "must be a finite number > 0")
-    token_level = [k for k in ("tis_cap", "mis_cap", "icepop_low") if k in config]
-    if len(token_level) > 1:
-        raise InvalidRequest("loss_fn_config", {k: config[k] for k in token_level},
-                             "at most one of tis_cap, mis_cap and IcePop (icepop_low / icepop_high)")
-    for low, high in (("icepop_low", "icepop_high"), ("geo_mask_low", "geo_mask_high")):
-        if (low in config) != (high in config):
-            missing = high if low in config else low
-            raise InvalidRequest(f"loss_fn_config[{missing!r}]", None, f"{low} and {high} go together")
-        if low in config and not config[low] <= 1.0 <= config[high]:
-            raise InvalidRequest("loss_fn_config", {low: config[low], high: config[high]},
-                                 f"needs {low} <= 1 <= {high}")
-    return tuple((key, float(config[key])) for key in given)
-
-
 def _action_tokens(inputs: dict[str, np.ndarray], n: int) -> np.ndarray:
     """The datum's action tokens (module docstring): ``mask`` > 0 if given, else a non-zero
     advantage (every token for a loss without advantages)."""
@@ -357,12 +272,6 @@ def reference_kl(logp: np.ndarray, ref_logp: np.ndarray, estimator: int) -> tupl
     return e - 1.0 - x, 1.0 - e
 
 
-def clip_thresholds(loss_fn: str, config: dict[str, Any] | None) -> tuple[float, float]:
-    """``(clip_low_threshold, clip_high_threshold)`` from ``loss_fn_config`` or the defaults."""
-    settings = loss_settings(loss_fn, config)
-    return settings.clip_low, settings.clip_high
-
-
 def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
                   vocab_size: int, max_len: int) -> LossSettings:
     """Check a batch before it is queued; returns the resolved settings (a
@@ -375,7 +284,7 @@ def validate_data(data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any
                              "must be a non-empty list of Datum")
     required = REQUIRED_INPUTS[loss_fn]
     allowed = set(required) | set(_OPTIONAL_INPUTS.get(loss_fn, ())) | set(TRANSFORM_INPUTS)
-    if loss_fn in _RATIO_LOSSES:
+    if loss_fn in RATIO_LOSSES:
         allowed.add("old_logprobs")
     if thresholds.corrections:
         required = (*required, "old_logprobs")
@@ -521,6 +430,10 @@ def elementwise(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
         return _dro(logp, inputs["logprobs"].astype(np.float64), adv, as_settings(thresholds).beta)
     if loss_fn == "gspo":
         return _gspo(logp, inputs["logprobs"].astype(np.float64), adv, inputs["sequence_ratio_mask"] != 0, lo, hi)
+    if loss_fn == "stable_reinforce":
+        stable = as_settings(thresholds).stable or StableSettings()
+        return _stable_reinforce(logp, inputs["logprobs"].astype(np.float64), adv,
+                                 _action_tokens(inputs, logp.shape[0]), stable)
     raise InvalidRequest("loss_fn", loss_fn, f"must be one of {', '.join(LOSS_FNS)}")
 
 
@@ -539,3 +452,22 @@ def _gspo(logp: np.ndarray, sampled: np.ndarray, adv: np.ndarray, in_ratio: np.n
     loss = -np.minimum(unclipped_obj, clipped_obj)
     takes_unclipped = (unclipped_obj <= clipped_obj) | ((s >= lo) & (s <= hi))
     return loss, np.where(takes_unclipped, -s * adv, 0.0)
+
+
+def _stable_reinforce(logp: np.ndarray, behaviour: np.ndarray, adv: np.ndarray, action: np.ndarray,
+                      stable: StableSettings) -> tuple[np.ndarray, np.ndarray]:
+    """stable_reinforce over one datum (module docstring): ``-min(r, C) * A + kl_coeff * (r - 1 - d)``
+    on action tokens, all zero when the datum's geometric-mean ratio is outside the mask range."""
+    d = logp - behaviour
+    zero = np.zeros_like(logp)
+    if not action.any():
+        return zero, zero
+    # Compared in log space: the mean of a far-off datum may overflow exp().
+    if not math.log(stable.geo_mask_low) <= float(d[action].mean()) <= math.log(stable.geo_mask_high):
+        return zero, zero
+    # Exponents over 700 overflow float64; such a token is far over the cap anyway, and its KL
+    # term's gradient is what the caller asked for (kl_coeff 0 leaves it out).
+    r = np.exp(np.minimum(d, 700.0))
+    w = np.minimum(r, stable.tis_cap)
+    loss = np.where(action, -w * adv + stable.kl_coeff * (r - 1.0 - d), 0.0)
+    return loss, np.where(action, -w * adv + stable.kl_coeff * (r - 1.0), 0.0)

@@ -73,6 +73,7 @@ from rlengine.backends.torch.sampling import processed_log_softmax
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.trainer.lean import LeanForward, lean_forward
 from rlengine.trainer.losses import (
+    SEQUENCE_LOSSES,
     TRANSFORM_INPUTS,
     as_settings,
     concat_inputs,
@@ -300,9 +301,9 @@ class TorchTrainer:
             ref_np = self._reference_logprobs(batch, tree) if settings.kl_coef is not None else None
             offsets = np.cumsum([0, *(d.model_input.length for d in batch)]).tolist()
             # Elementwise losses and token-level corrections take the micro-batch's tokens at once;
-            # gspo and the geometric mask are per sequence, and datums with other inputs than
-            # their neighbours' cannot be stacked: those go datum by datum.
-            whole = (loss_fn != "gspo" and settings.correction("geo_mask_low") is None
+            # gspo, stable_reinforce and the geometric mask are per sequence, and datums with other
+            # inputs than their neighbours' cannot be stacked: those go datum by datum.
+            whole = (loss_fn not in SEQUENCE_LOSSES and settings.correction("geo_mask_low") is None
                      and len({frozenset(d.loss_fn_inputs) for d in batch}) == 1)
             parts = [list(range(len(batch)))] if whole else [[j] for j in range(len(batch))]
             grads, masks = [], []

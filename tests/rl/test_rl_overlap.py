@@ -14,15 +14,13 @@ from __future__ import annotations
 import pytest
 import rl_sim
 
-from rlengine.rl.metrics import read_jsonl
+from rlengine.rl.metrics import measured, read_jsonl
 from rlengine.rl.run import train
-
-_TIMING = {"time_s", "step_time_s", "train_time_s", "eval_time_s", "sampler_idle_frac", "trainer_busy_frac",
-           "tokens_per_s"}
 
 
 def _untimed(path) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in _TIMING} for row in read_jsonl(str(path))]
+    """The run's metrics rows without the columns that measure the machine (``rl.metrics.MEASURED``)."""
+    return [measured(row) for row in read_jsonl(str(path))]
 
 
 class Killed(Exception):

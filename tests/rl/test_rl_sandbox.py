@@ -24,7 +24,7 @@ from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine
 from rlengine.rl.advantages import trajectory_datums
 from rlengine.rl.errors import FailureBudgetExceeded
-from rlengine.rl.metrics import read_jsonl
+from rlengine.rl.metrics import measured, read_jsonl
 from rlengine.rl.recipes.guess_sandbox import ALPHABET, HIGHER, LOWER, START, digit
 from rlengine.rl.run import train
 from rlengine.rl.sandbox import SandboxError, SandboxPool, SessionEnv, session_trajectory
@@ -319,13 +319,9 @@ def test_guess_recipe_learns_the_rules_within_20_steps(tmp_path, model_cache):
     assert invalid_last <= invalid_first / 2, [s["env/invalid"] for s in steps]
 
 
-_TIMING = ("sampler_idle_frac", "trainer_busy_frac", "step_time_s", "time_s", "tokens_per_s", "train_time_s",
-           "eval_time_s")
-"""The only columns that may differ between two runs of one seed: they measure time."""
-
-
 def _untimed(path) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in _TIMING} for row in read_jsonl(str(path))]
+    """The run's metrics rows without the columns that measure the machine (``rl.metrics.MEASURED``)."""
+    return [measured(row) for row in read_jsonl(str(path))]
 
 
 class _Killed(Exception):

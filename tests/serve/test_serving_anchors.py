@@ -118,8 +118,9 @@ def test_the_trace_read_back_has_its_documented_fields_and_refuses_others(served
     client.post(f"/sessions/{sid}/reward", body={"value": 0.5}, cast_to=object,
                 options={"headers": {"X-Session-Token": token}})
     trace = client.get(f"/sessions/{sid}/trace", cast_to=object, options={"headers": {"X-Session-Token": token}})
-    assert set(trace) == {"session_id", "turns", "tainted", "constrained", "trajectories"}
-    assert (trace["session_id"], trace["turns"], trace["tainted"], trace["constrained"]) == (sid, 1, False, [])
+    assert set(trace) == {"session_id", "turns", "tainted", "constrained", "trajectories", "roles"}
+    assert (trace["session_id"], trace["turns"], trace["tainted"], trace["constrained"], trace["roles"]) == (
+        sid, 1, False, [], {})  # no turn named a role
     [traj] = trace["trajectories"]
     assert set(traj) == {"tokens", "logprobs", "versions", "loss_mask", "shared_prefix", "reward", "segments"}
     n = len(traj["tokens"])

@@ -120,8 +120,8 @@ def test_malformed_bodies_are_typed_errors(url):
     for field, k in (("topk_sample_logprobs", 21), ("topk_prompt_logprobs", 21), ("topk_prompt_logprobs", -1)):
         body = error(call(url, "asample", sample_body(ssid, 2, **{field: k})), 400, "invalid")
         assert (body["field"], body["value"]) == (field, k)
-    body = error(call(url, "asample", sample_body(ssid, 2, prompt_alt_tokens_k=2)), 400, "not_supported")
-    assert body["field"] == "prompt_alt_tokens_k" and body["value"] == 2
+    body = error(call(url, "asample", sample_body(ssid, 2, prompt_alt_tokens_k=-1)), 400, "invalid")
+    assert body["field"] == "prompt_alt_tokens_k" and body["value"] == -1
     body = error(call(url, "asample", sample_body(ssid, 3, params={"temperature": -1.0})), 400, "invalid")
     assert body["field"] == "temperature"
     assert error(call(url, "asample", {**sample_body(ssid, 4), "prompt": {"chunks": [
@@ -160,7 +160,7 @@ def test_another_keys_sessions_models_and_futures_are_forbidden(url):
 @pytest.mark.model_plane
 def test_unserved_endpoints_answer_not_supported(url):
     for method, path in (("POST", "create_custom_loss"), ("POST", "save_weights_external"),
-                         ("GET", "sessions"), ("POST", "auth/token"), ("GET", "no/such/thing")):
+                         ("GET", "billing/usage/events"), ("POST", "auth/token"), ("GET", "no/such/thing")):
         body = error(call(url, path, {}, method=method), 404, "not_supported")
         assert path in body["value"]
     sid = session(url)
@@ -176,15 +176,20 @@ def test_known_unserved_features_are_not_supported_and_unknown_names_invalid(url
     does not have either are ``invalid``, naming the field and the value."""
     sid = session(url)
     model_id = lora_model(url, sid)
-    for seq, loss in enumerate(("stable_reinforce", "custom"), start=1):
-        body = error(call(url, "forward_backward", _ce_body(model_id, seq, loss_fn=loss)), 400, "not_supported")
-        assert (body["field"], body["value"]) == ("loss_fn", loss) and loss in body["message"]
-    # dro and gspo are served; the settings Tinker documents no default for are required, by name.
-    body = error(call(url, "forward_backward", _ce_body(model_id, 3, loss_fn="dro")), 400, "invalid")
-    assert (body["field"], body["value"]) == ("loss_fn_config['beta']", None)
+    body = error(call(url, "forward_backward", _ce_body(model_id, 1, loss_fn="custom")), 400, "not_supported")
+    assert (body["field"], body["value"]) == ("loss_fn", "custom") and "custom" in body["message"]
+    # stable_reinforce is served, on datums whose provenance names sequences sampled with stability info.
+    body = error(call(url, "forward_backward", _ce_body(model_id, 2, loss_fn="stable_reinforce")), 400,
+                 "invalid_provenance")
+    assert body["field"] == "data[0].loss_fn_input_spans" and "provenance" in body["message"]
+    # dro and gspo are served (with default settings); a bad setting is refused by name.
+    dro = _ce_body(model_id, 3, loss_fn="dro")
+    dro["forward_backward_input"]["loss_fn_config"] = {"beta": -1.0}
+    body = error(call(url, "forward_backward", dro), 400, "invalid")
+    assert (body["field"], body["value"]) == ("loss_fn_config['beta']", -1.0)
     gspo = _ce_body(model_id, 4, loss_fn="gspo")
-    gspo["forward_backward_input"]["loss_fn_config"] = {"clip_low_threshold": 0.8}
-    assert error(call(url, "forward_backward", gspo), 400, "invalid")["field"] == "loss_fn_config['clip_high_threshold']"
+    gspo["forward_backward_input"]["loss_fn_config"] = {"clip_low_threshold": 1.5}
+    assert error(call(url, "forward_backward", gspo), 400, "invalid")["field"] == "loss_fn_config"
     body = error(call(url, "forward_backward", _ce_body(model_id, 5, loss_fn="ppo2")), 400, "invalid")
     assert (body["field"], body["value"]) == ("loss_fn", "ppo2") and "cross_entropy" in body["message"]
     for seq, (family, status, code) in enumerate((("dimuon", 400, "not_supported"), ("sgd", 400, "invalid")),

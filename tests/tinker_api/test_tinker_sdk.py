@@ -185,7 +185,7 @@ def test_a_refused_call_does_not_stall_the_next(served):
     bad = [_datum(True, [5, vocab], {"target_tokens": np.array([9, 9], dtype=np.int64)})]
     with pytest.raises(tinker.BadRequestError, match=f"token id >= vocab size {vocab}"):
         training_client.forward_backward(bad, "cross_entropy").result(WAIT)
-    with pytest.raises(tinker.BadRequestError, match="not_supported"):
+    with pytest.raises(tinker.BadRequestError, match="needs provenance"):
         training_client.forward_backward(_is_data(True), "stable_reinforce").result(WAIT)
     assert training_client.forward_backward(_ce_data(True), "cross_entropy").result(WAIT).metrics["loss:sum"] > 0
 
@@ -201,8 +201,8 @@ def _dro_gspo_reference(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.nda
 
 
 def test_dro_and_gspo_train_through_the_sdk_with_the_documented_loss(served):
-    """``loss:sum`` is the documented formula over the target logprobs the call returns; the losses' required
-    settings are typed errors naming them, and ``stable_reinforce`` stays ``not_supported``."""
+    """``loss:sum`` is the documented formula over the target logprobs the call returns; a bad setting is a
+    typed error naming it, and ``stable_reinforce`` needs provenance (test_tinker_stability)."""
     _, _, client = served
     training_client = client.create_lora_training_client(base_model="tiny", rank=4, seed=6).result(WAIT)
     data, raw = [], []
@@ -229,11 +229,11 @@ def test_dro_and_gspo_train_through_the_sdk_with_the_documented_loss(served):
         assert result.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
         assert training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result(WAIT).metrics["grad_norm"] > 0
     with pytest.raises(tinker.BadRequestError, match=r"loss_fn_config\['beta'\]"):
-        training_client.forward_backward(data[:1], "dro").result(WAIT)
+        training_client.forward_backward(data[:1], "dro", {"beta": -1.0}).result(WAIT)
     with pytest.raises(tinker.BadRequestError, match="sequence_ratio_mask"):
         training_client.forward_backward(_is_data(True), "gspo", {"clip_low_threshold": 0.8,
                                                                   "clip_high_threshold": 1.2}).result(WAIT)
-    with pytest.raises(tinker.BadRequestError, match="not_supported"):
+    with pytest.raises(tinker.BadRequestError, match="invalid_provenance"):
         training_client.forward_backward(data, "stable_reinforce").result(WAIT)
 
 

@@ -191,11 +191,14 @@ def test_settings_round_trip_and_bad_configs_name_the_field():
     assert dro == LossSettings(0.0, math.inf, beta=0.05) and (gspo.clip_low, gspo.clip_high) == (0.9, 1.1)
     for loss_fn, settings in (("dro", dro), ("gspo", gspo)):
         assert loss_settings(loss_fn, settings.config(loss_fn)) == settings
-    for loss_fn, config, field in (("dro", None, "beta"), ("dro", {"beta": -1.0}, "beta"),
+    # No config: the defaults the module docstring gives (Tinker documents none).
+    assert loss_settings("dro", None).beta == 0.05
+    assert (loss_settings("gspo", None).clip_low, loss_settings("gspo", {"clip_low_threshold": 0.8}).clip_high) \
+        == (1.0 - 3e-4, 1.0 + 4e-4)
+    for loss_fn, config, field in (("dro", {"beta": -1.0}, "beta"),
                                    ("dro", {"beta": math.nan}, "beta"), ("ppo", {"beta": 0.1}, "beta"),
                                    ("dro", {"beta": 0.1, "clip_low_threshold": 0.5}, "loss_fn_config"),
-                                   ("gspo", None, "clip_low_threshold"),
-                                   ("gspo", {"clip_low_threshold": 0.8}, "clip_high_threshold"),
+                                   ("gspo", {"clip_low_threshold": 1.1}, "clip_low"),
                                    ("gspo", {"clip_low_threshold": 1.2, "clip_high_threshold": 0.8}, "clip_low")):
         with pytest.raises(InvalidRequest, match=field):
             loss_settings(loss_fn, config)

@@ -32,9 +32,11 @@ MIN_PREFIX = 4
 RATIOS = np.array([0.3, 0.79, 0.81, 1.0, 1.19, 1.21, 2.5, 4.5])
 CORRECTIONS = {"cross_entropy": {}, "importance_sampling": {"tis_cap": 1.5},
                "ppo": {"icepop_low": 0.5, "icepop_high": 2.0, "geo_mask_low": 0.5, "geo_mask_high": 2.0},
-               "cispo": {"mis_cap": 2.0}, "dro": {}, "gspo": {}}
-REQUIRED = {"dro": {"beta": 0.1}, "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
-"""Config the Tinker losses need (no documented default)."""
+               "cispo": {"mis_cap": 2.0}, "dro": {}, "gspo": {}, "stable_reinforce": {}}
+REQUIRED = {"dro": {"beta": 0.1}, "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+            "stable_reinforce": {"kl_coeff": 0.1, "geo_mask_high": 3.0}}
+"""Config the Tinker losses need (no documented default), and stable_reinforce's own KL term and a mask
+range its datums' ratios fall in (no old_logprobs: it takes no corrections)."""
 
 
 def perturb(model: torch.nn.Module) -> None:

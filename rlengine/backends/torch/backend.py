@@ -15,8 +15,9 @@ A streaming request (``BackendRequest.stream``) reports its new token every
 step; a non-streaming one reports once, when it finishes, with all its
 tokens. Sampling is per request (``sampling``): temperature (0 = greedy),
 top-k, top-p and draws from the request's seed (``sampling.uniforms``). The logprob of each token is the raw ``log_softmax``, what the trainer
-computes; so are the prompt logprobs and the top k at each prompt position
-(``BackendRequest.prompt_top_logprobs``), from the prefill's own logits.
+computes; so are the prompt logprobs, the top k at each prompt position
+(``BackendRequest.prompt_top_logprobs``) and the ``prompt_scoring`` scores
+(``prompt_scores``: chosen tokens, draws), from the prefill's own logits.
 Stop tokens are included in the output, as in vLLM and Tinker; stop strings
 end generation at the token that completes them.
 
@@ -39,6 +40,13 @@ batch-invariant mode, where only prefilled KV is cached (``decoder``). A
 request for prompt logprobs (or their top k) runs its whole prompt: they need
 every position's logits.
 
+Speculative decoding (``engine_args["speculative"] = "ngram"``, off by default): a running
+request drafts up to ``speculative_k`` tokens from its own context (prompt lookup,
+``speculative``), the step feeds its last token and the drafts in one pass, and each drafted
+token is kept while the token sampled before it (with that position's own draw) equals it. The
+tokens and logprobs are those of plain decoding with the same seed, bitwise in batch-invariant
+mode; each output reports the tokens drafted and accepted since the previous one.
+
 ``load_weights`` copies named tensors into the backend's own model copy
 (validated completely before the first copy, so a bad install leaves the old
 weights intact) and empties the prefix cache: KV computed by other weights is
@@ -54,7 +62,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -63,7 +71,7 @@ import numpy as np
 import torch
 
 from rlengine.backends.base import BackendRequest, Capabilities, RequestOutput
-from rlengine.backends.grammar import Constrained, Grammars, mask_logits
+from rlengine.backends.grammar import Grammars, mask_logits
 from rlengine.backends.torch.decoder import DecoderRunner, PrefillJob
 from rlengine.backends.torch.prefix_cache import PrefixCache, common_prefix
 from rlengine.backends.torch.runtime import (
@@ -75,7 +83,17 @@ from rlengine.backends.torch.runtime import (
     threads_share,
     torch_dtype,
 )
-from rlengine.backends.torch.sampling import StopText, processed_log_softmax, sample_tokens
+from rlengine.backends.torch.sampling import processed_log_softmax, sample_tokens
+from rlengine.backends.torch.sequence import BackendSequence, backend_tokenizer, eos_ids
+from rlengine.backends.torch.speculative import (
+    DEFAULT_K,
+    SPECULATIVE_MODES,
+    UNINFORMED,
+    Acceptance,
+    Drafter,
+    StepCost,
+    drafts,
+)
 from rlengine.errors import ConfigurationError, InvalidRequest
 from rlengine.types import MAX_TOP_LOGPROBS
 
@@ -87,89 +105,10 @@ _LENGTH_HINT = 256
 _MIN_SHARED = 32
 """Tokens a joiner must share with an earlier joiner of its step (beyond what the prefix cache
 already holds) to wait for that one's KV: the second prefill pass this costs is worth it then."""
+_MAX_QUIET_STEPS = 16
 _MIN_REUSE = 16
 """The shortest cached prefix worth reusing: copying a few positions' KV in and resuming costs
 more than computing them (an RL recipe's short prompts never touch the cache)."""
-
-
-class _Seq:
-    """One request inside the backend: its sampling settings and what it generated."""
-
-    __slots__ = (
-        "constrained",
-        "epoch",
-        "ids",
-        "length",
-        "logprobs",
-        "max_tokens",
-        "ok",
-        "processed",
-        "prompt",
-        "prompt_logprobs",
-        "prompt_top",
-        "prompt_tops",
-        "reported",
-        "rid",
-        "seed",
-        "stop_ids",
-        "stop_text",
-        "stream",
-        "temperature",
-        "tokens",
-        "top",
-        "top_ids",
-        "top_k",
-        "top_logprobs",
-        "top_p",
-        "want_prompt_logprobs",
-    )
-
-    def __init__(self, req: BackendRequest, ids: np.ndarray, prompt: list[int], vocab_size: int,
-                 eos: frozenset[int], tokenizer: Any, constrained: Constrained | None) -> None:
-        p = req.params
-        self.rid = req.request_id
-        self.ids = ids
-        """The prompt as int32 (the prefix cache's key)."""
-        self.prompt = prompt
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.reported = 0
-        """Tokens already handed out (non-streaming requests report once, finished)."""
-        self.stream = req.stream
-        self.max_tokens = req.max_tokens
-        self.temperature = float(p.temperature)
-        self.top_k = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
-        self.top_p = float(p.top_p)
-        self.processed = p.logprob_transform is not None
-        self.seed: int | None = req.seed if self.temperature > 0.0 else None
-        """The seed of this sequence's draws (``sampling.uniforms``); None: greedy."""
-        self.stop_ids = (frozenset() if p.ignore_eos else eos) | frozenset(p.stop_token_ids)
-        self.stop_text = StopText(tokenizer, p.stop_strings) if p.stop_strings else None
-        self.constrained = constrained
-        self.top = int(p.top_logprobs)
-        """How many alternatives to record per token (``top_ids`` / ``top_logprobs``, k each, flat)."""
-        self.top_ids: list[int] = []
-        self.top_logprobs: list[float] = []
-        self.want_prompt_logprobs = req.prompt_logprobs
-        self.prompt_logprobs: list[float] | None = None
-        """Computed at prefill; handed out with the first output."""
-        self.prompt_top = int(req.prompt_top_logprobs)
-        """How many alternatives to record per prompt position (``prompt_tops``)."""
-        self.prompt_tops: tuple[list[int], list[float]] | None = None
-        """``(ids, logprobs)``, ``prompt_top`` per prompt token after the first: computed at prefill,
-        handed out with the first output."""
-        self.length = 0
-        """Tokens of this sequence held in its KV cache slot."""
-        self.epoch = -1
-        """The backend's weight install count when this sequence was prefilled: its KV is the
-        prefix cache's to keep only if no install happened since."""
-        self.ok = False
-        """Finished normally (a stop or max_tokens): its KV may go into the prefix cache."""
-
-    @property
-    def needs_whole_prompt(self) -> bool:
-        """Prompt logprobs (or their top k) come from running every prompt position."""
-        return self.want_prompt_logprobs or self.prompt_top > 0
 
 
 class TorchBackend:
@@ -184,7 +123,8 @@ class TorchBackend:
     def __init__(self, model_path: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  prefill_tokens: int = 8192, batch_invariant: bool = False, processed: bool = False,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads_share: int = 1) -> None:
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads_share: int = 1,
+                 speculative: str | None = None, speculative_k: int = DEFAULT_K) -> None:
         self.threads = configure_threads(threads_share)
         self.device = device or torch.device("cpu")
         self.dtype = dtype
@@ -204,8 +144,8 @@ class TorchBackend:
         self.max_model_len = int(max_model_len or limit)  # type: ignore[arg-type]
         self.max_num_seqs = max_num_seqs
         self.prefill_tokens = prefill_tokens
-        self.eos_ids = self._eos_ids(model)
-        self.tokenizer = self._load_tokenizer(model_path)
+        self.eos_ids = eos_ids(model)
+        self.tokenizer = backend_tokenizer(model_path)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.runner = DecoderRunner(model, self.max_model_len, batch_invariant=batch_invariant)
         kernel_check = None
@@ -221,13 +161,29 @@ class TorchBackend:
                              if prefix_cache_bytes else None)
         self.reused_tokens = 0
         """Prompt tokens whose prefill the prefix cache spared, since the backend started."""
+        if speculative not in SPECULATIVE_MODES:
+            raise ConfigurationError(f"engine_args['speculative']={speculative!r}: must be one of "
+                                     f"{', '.join(map(repr, SPECULATIVE_MODES))}")
+        self.speculative_k = speculative_k if speculative else 0
+        """Most tokens a request drafts per step (0: no speculative decoding)."""
+        self.drafted_tokens = self.accepted_tokens = 0
+        """Tokens drafted and accepted since the backend started."""
+        self.acceptance = Acceptance()
+        """The recent acceptance of every request's drafts: the prior of a request's own."""
+        self.step_cost = StepCost()
+        """Seconds of a decode pass by its rows, fitted to this backend's passes (``speculative.choose``)."""
+        self._quiet_steps = 0
+        self._quiet_backoff = 1
+        """After a step that verified no draft, the next ``_quiet_steps`` steps look for none (the
+        pause doubles, up to ``_MAX_QUIET_STEPS``, until a draft is verified again): looking costs
+        every running request a lookup per step."""
         self._epoch = 0
-        """Weight installs so far (``_Seq.epoch``)."""
+        """Weight installs so far (``BackendSequence.epoch``)."""
         why = ("CPU: there is no accelerator memory to release" if self.device.type == "cpu" else
                "the torch backend frees its KV cache whenever no request runs; weights stay resident")
         self.capabilities = Capabilities(sleep=False, prompt_logprobs=True, stop_strings=self.tokenizer is not None,
                                          constraints=self.tokenizer is not None, top_logprobs=MAX_TOP_LOGPROBS,
-                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, why_not_sleep=why,
+                                         prompt_top_logprobs=MAX_TOP_LOGPROBS, prompt_scores=True, why_not_sleep=why,
                                          logprobs_modes=("processed", "raw") if processed else ("raw", "processed"),
                                          batch_invariant=batch_invariant, kernel_check=kernel_check)
         # Every name a weight install may use (tied aliases included) and the
@@ -236,30 +192,11 @@ class TorchBackend:
         self._canonical = {id(p): name for name, p in model.named_parameters()}
         self.version = 0
         self.steps = 0
-        self._waiting: OrderedDict[str, _Seq] = OrderedDict()
-        self._running: list[_Seq] = []
+        self._waiting: OrderedDict[str, BackendSequence] = OrderedDict()
+        self._running: list[BackendSequence] = []
         """Running sequences; ``_running[i]`` owns KV cache slot ``i``."""
         self._active: set[str] = set()
         """Ids of every waiting or running request."""
-
-    @staticmethod
-    def _eos_ids(model: Any) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (model.config, getattr(model, "generation_config", None)):
-            eos = getattr(source, "eos_token_id", None)
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, (list, tuple)):
-                ids.update(int(e) for e in eos)
-        return frozenset(ids)
-
-    @staticmethod
-    def _load_tokenizer(model_path: str) -> Any:
-        if not any(os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return None
-        from rlengine.backends.torch.models import load_tokenizer
-
-        return load_tokenizer(model_path)
 
     # -- the protocol ---------------------------------------------------------------
 
@@ -282,7 +219,10 @@ class TorchBackend:
         p = request.params
         constrained = (self.grammars.matcher(p.constraint, budget=request.max_tokens) if p.constraint is not None
                        else None)
-        self._waiting[rid] = _Seq(request, prompt, ids, self.vocab_size, self.eos_ids, self.tokenizer, constrained)
+        # A grammar's matcher advances token by token: a constrained request never drafts.
+        drafter = Drafter(ids, self.speculative_k) if self.speculative_k and constrained is None else None
+        self._waiting[rid] = BackendSequence(request, prompt, ids, self.vocab_size, self.eos_ids, self.tokenizer, constrained,
+                                  drafter)
         self._active.add(rid)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -305,12 +245,28 @@ class TorchBackend:
             finished: list[int] = []
             running = self._running
             if running:
-                tokens = torch.as_tensor([s.tokens[-1] for s in running], device=self.device)
+                started = time.perf_counter()
                 lengths = [s.length for s in running]
-                logits = self.runner.decode(tokens, lengths)
-                for s in running:
-                    s.length += 1
-                self._emit(running, 0, logits, [None] * len(running), outputs, finished)
+                drafts = None
+                if self.speculative_k:
+                    if self._quiet_steps:
+                        self._quiet_steps -= 1
+                    else:
+                        drafts = self._draft(running)
+                        self._quiet_steps = 0 if drafts else self._quiet_backoff
+                        self._quiet_backoff = 1 if drafts else min(2 * self._quiet_backoff, _MAX_QUIET_STEPS)
+                if drafts is None:
+                    tokens = torch.as_tensor([s.tokens[-1] for s in running], device=self.device)
+                    logits = self.runner.decode(tokens, lengths)
+                else:  # each sequence's last token and its drafts, verified in one pass
+                    tokens = torch.as_tensor([t for s, d in zip(running, drafts) for t in (s.tokens[-1], *d)],
+                                             device=self.device)
+                    logits = self.runner.decode(tokens, lengths, [len(d) + 1 for d in drafts])
+                self._emit(running, 0, logits, [None] * len(running), outputs, finished, drafts)
+                for s in running:  # the KV of every token but the last (never fed back yet)
+                    s.length = len(s.prompt) + len(s.tokens) - 1
+                if self.speculative_k:  # _emit read the logits back: the device is done with the pass
+                    self.step_cost.observe(self._units(int(tokens.shape[0])), time.perf_counter() - started)
             joiners = self._admit()
             if joiners:
                 first = len(running)
@@ -325,9 +281,21 @@ class TorchBackend:
             self.steps += 1
         return outputs
 
-    def _admit(self) -> list[_Seq]:
+    def _draft(self, running: list[BackendSequence]) -> list[list[int]] | None:
+        """The drafts of each running sequence worth verifying this step (``speculative.drafts``)."""
+        return drafts([(s.drafter, s.tokens, s.max_tokens) for s in running], self._units(1), self.step_cost,
+                      self.acceptance)
+
+    def _units(self, rows: int) -> int:
+        """What a decode pass of ``rows`` rows costs, in rows: whole row tiles in batch-invariant mode."""
+        if not self.runner.batch_invariant:
+            return rows
+        tile = self.runner.tiles.rows
+        return -(-rows // tile) * tile
+
+    def _admit(self) -> list[BackendSequence]:
         """FIFO joiners for this step, within the batch cap and the prefill token budget."""
-        joiners: list[_Seq] = []
+        joiners: list[BackendSequence] = []
         longest = 0
         while self._waiting and len(self._running) + len(joiners) < self.max_num_seqs:
             seq = next(iter(self._waiting.values()))
@@ -340,7 +308,7 @@ class TorchBackend:
             longest = longest_if
         return joiners
 
-    def _prefill(self, joiners: list[_Seq], first: int) -> tuple[list[_Seq], torch.Tensor, list[list[float] | None]]:
+    def _prefill(self, joiners: list[BackendSequence], first: int) -> tuple[list[BackendSequence], torch.Tensor, list[list[float] | None]]:
         """Prefill this step's joiners into slots ``first..``, reusing cached prefixes; returns them
         in slot order with their last positions' logits and their prompt logprobs.
 
@@ -349,11 +317,11 @@ class TorchBackend:
         least ``_MIN_SHARED`` more tokens with an earlier one than the cache held are prefilled in
         a second pass, over its KV (cached after the first)."""
         cache = self.prefix_cache
-        later: list[_Seq] = []
-        copies: list[tuple[_Seq, _Seq]] = []
+        later: list[BackendSequence] = []
+        copies: list[tuple[BackendSequence, BackendSequence]] = []
         if cache is not None:
-            leaders: list[_Seq] = []
-            originals: dict[bytes, _Seq] = {}
+            leaders: list[BackendSequence] = []
+            originals: dict[bytes, BackendSequence] = {}
             for seq in joiners:
                 key = seq.ids.tobytes()
                 original = None if seq.needs_whole_prompt else originals.get(key)
@@ -387,7 +355,7 @@ class TorchBackend:
             self.runner.cache.move([slot_of[id(original)] for _, original in copies],
                                    list(range(at, at + len(copies))), max(len(seq.prompt) for seq, _ in copies))
             for seq, _ in copies:
-                seq.length, seq.epoch = len(seq.prompt), self._epoch
+                seq.length, seq.epoch, seq.cached = len(seq.prompt), self._epoch, len(seq.prompt)
                 self.reused_tokens += len(seq.prompt)
             self._running.extend(seq for seq, _ in copies)
             rows = torch.as_tensor([slot_of[id(original)] - first for _, original in copies], device=logits.device)
@@ -396,7 +364,7 @@ class TorchBackend:
             joiners = joiners + [seq for seq, _ in copies]
         return joiners, logits, prompt_lps
 
-    def _prefill_pass(self, seqs: list[_Seq], first: int) -> tuple[torch.Tensor, list[list[float] | None]]:
+    def _prefill_pass(self, seqs: list[BackendSequence], first: int) -> tuple[torch.Tensor, list[list[float] | None]]:
         cache = self.prefix_cache
         jobs = []
         for seq in seqs:
@@ -405,16 +373,16 @@ class TorchBackend:
                 start, pieces = cache.match(seq.ids, len(seq.prompt) - 1)
                 if start < _MIN_REUSE:
                     start, pieces = 0, []
-            seq.epoch = self._epoch
+            seq.epoch, seq.cached = self._epoch, start
             self.reused_tokens += start
-            jobs.append(PrefillJob(seq.prompt, start, pieces, seq.want_prompt_logprobs, seq.prompt_top))
+            jobs.append(PrefillJob(seq.prompt, start, pieces, seq.want_prompt_logprobs, seq.prompt_top, seq.scorer))
         logits, prompt_lps, prompt_tops = self.runner.prefill(jobs, first)
         for seq, tops in zip(seqs, prompt_tops):
             seq.length = len(seq.prompt)
             seq.prompt_tops = tops
         return logits, prompt_lps
 
-    def _cache_prompts(self, seqs: list[_Seq], first: int) -> None:
+    def _cache_prompts(self, seqs: list[BackendSequence], first: int) -> None:
         """Put the prompts just prefilled into slots ``first..`` into the prefix cache."""
         if self.prefix_cache is None:
             return
@@ -428,81 +396,101 @@ class TorchBackend:
         assert self.prefix_cache is not None
         self.prefix_cache.insert(tokens, lambda start, end: read(slot, start, end))
 
-    def _emit(self, seqs: list[_Seq], first_slot: int, logits: torch.Tensor,
-              prompt_lps: list[list[float] | None], outputs: list[RequestOutput], finished: list[int]) -> None:
-        """Sample one token per sequence, record it, and decide who finishes."""
+    def _emit(self, seqs: list[BackendSequence], first_slot: int, logits: torch.Tensor,
+              prompt_lps: list[list[float] | None], outputs: list[RequestOutput], finished: list[int],
+              drafts: list[list[int]] | None = None) -> None:
+        """Sample each sequence's tokens, record them, and decide who finishes.
+
+        Without ``drafts`` sequence i owns row i of ``logits`` and gets one token. With them (a
+        verification pass) it owns ``1 + len(drafts[i])`` consecutive rows; row j's token is drawn
+        with the draw the plain step would use for it (counter ``len(tokens) + j``), and the next
+        row counts only while the token drawn equals the draft there (``speculative``)."""
         device = logits.device
-        rows = [i for i, s in enumerate(seqs) if s.constrained is not None]
-        if rows:
-            mask_logits(logits, rows, [seqs[i].constrained for i in rows])  # type: ignore[misc]
-        seeds = [s.seed for s in seqs]
-        counters = [len(s.tokens) for s in seqs]
+        if drafts is None:
+            owners, counters, firsts = seqs, [len(s.tokens) for s in seqs], range(len(seqs))
+        else:
+            owners = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+            counters = [len(s.tokens) + j for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+            firsts = list(itertools.accumulate((len(d) + 1 for d in drafts[:-1]), initial=0))
+        constrained = [(firsts[i], s.constrained) for i, s in enumerate(seqs) if s.constrained is not None]
+        if constrained:  # one row each: a constrained sequence never drafts
+            mask_logits(logits, [row for row, _ in constrained], [c for _, c in constrained])
+        seeds = [s.seed for s in owners]
         if any(seed is not None for seed in seeds):
             tokens, logprobs = sample_tokens(
-                logits, seeds, counters, temperature=torch.as_tensor([s.temperature or 1.0 for s in seqs],
+                logits, seeds, counters, temperature=torch.as_tensor([s.temperature or 1.0 for s in owners],
                                                                      device=device),
-                top_k=torch.as_tensor([s.top_k for s in seqs], device=device),
-                top_p=torch.as_tensor([s.top_p for s in seqs], device=device),
-                processed=[s.processed for s in seqs])
+                top_k=torch.as_tensor([s.top_k for s in owners], device=device),
+                top_p=torch.as_tensor([s.top_p for s in owners], device=device),
+                processed=[s.processed for s in owners])
         else:
             tokens, logprobs = sample_tokens(logits, seeds, counters)
         top = max(s.top for s in seqs)
         if top:  # the alternatives, from the distribution the token was drawn from (masked if constrained)
             dist = logits.log_softmax(-1)
-            rows = [i for i, s in enumerate(seqs) if s.processed and s.seed is not None]
+            rows = [i for i, s in enumerate(owners) if s.processed and s.seed is not None]
             if rows:  # processed logprobs: their alternatives are processed too
                 index = torch.as_tensor(rows, device=device)
                 dist = dist.index_copy(0, index, processed_log_softmax(
-                    logits[index], torch.as_tensor([seqs[i].temperature for i in rows], device=device),
-                    torch.as_tensor([seqs[i].top_k for i in rows], device=device),
-                    torch.as_tensor([seqs[i].top_p for i in rows], device=device)))
+                    logits[index], torch.as_tensor([owners[i].temperature for i in rows], device=device),
+                    torch.as_tensor([owners[i].top_k for i in rows], device=device),
+                    torch.as_tensor([owners[i].top_p for i in rows], device=device)))
             top_lps, top_ids = dist.topk(top, dim=-1)
             top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
-        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        for i, seq in enumerate(seqs):
             if prompt_lps[i] is not None:
                 seq.prompt_logprobs = prompt_lps[i]
-            # A NaN or +inf anywhere in a row makes its log_softmax, hence this
-            # logprob, non-finite: one check per token instead of a pass over the vocab.
+            draft = () if drafts is None else drafts[i]
+            first = firsts[i]
             error = None
-            if not math.isfinite(logprob):
-                error = f"non-finite logits at generated token {len(seq.tokens)} (the weights hold NaN or inf)"
-            elif seq.constrained is not None and not seq.constrained.accept(token):  # feeds its matcher
-                error = f"the grammar refused sampled token {token} at generated token {len(seq.tokens)}"
+            done = stop = False
+            for j in range(len(draft) + 1):
+                row = first + j
+                token, logprob = tokens[row], logprobs[row]
+                # A NaN or +inf anywhere in a row makes its log_softmax, hence this
+                # logprob, non-finite: one check per token instead of a pass over the vocab.
+                if not math.isfinite(logprob):
+                    error = f"non-finite logits at generated token {len(seq.tokens)} (the weights hold NaN or inf)"
+                elif seq.constrained is not None and not seq.constrained.accept(token):  # feeds its matcher
+                    error = f"the grammar refused sampled token {token} at generated token {len(seq.tokens)}"
+                if error is not None:
+                    break
+                seq.tokens.append(token)
+                seq.logprobs.append(logprob)
+                if seq.top:
+                    seq.top_ids.extend(top_ids[row][:seq.top])
+                    seq.top_logprobs.extend(top_lps[row][:seq.top])
+                stop = token in seq.stop_ids or (seq.stop_text is not None and seq.stop_text.feed(seq.tokens))
+                done = stop or len(seq.tokens) >= seq.max_tokens
+                # The next row was computed after draft[j]: it counts only if that is the token drawn here.
+                if done or j == len(draft) or token != draft[j]:
+                    break
+            if draft:
+                # j: the drafts taken (the rows after the first that gave a token).
+                seq.drafted += len(draft)
+                seq.accepted += j
+                self.drafted_tokens += len(draft)
+                self.accepted_tokens += j
+                # Judged: the drafts compared with a drawn token (the accepted ones and a rejected one).
+                judged = j + (error is None and not done and j < len(draft))
+                self.acceptance.record(j, judged)
+                assert seq.drafter is not None
+                seq.drafter.settle(j, judged, len(seq.tokens), self.acceptance.rate(UNINFORMED))
             if error is not None:
-                out = self._report(seq)
+                out = seq.report()
                 out.finished = True
                 out.error = error
                 outputs.append(out)
                 finished.append(first_slot + i)
-                continue
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            if seq.top:
-                seq.top_ids.extend(top_ids[i][:seq.top])
-                seq.top_logprobs.extend(top_lps[i][:seq.top])
-            stop = token in seq.stop_ids or (seq.stop_text is not None and seq.stop_text.feed(seq.tokens))
-            done = stop or len(seq.tokens) >= seq.max_tokens
-            if done or seq.stream:
-                out = self._report(seq)
+            elif done or seq.stream:
+                out = seq.report()
                 if done:
                     seq.ok = True
                     out.finished = True
                     out.stop_reason = "stop" if stop else "length"
                     finished.append(first_slot + i)
                 outputs.append(out)
-
-    @staticmethod
-    def _report(seq: _Seq) -> RequestOutput:
-        """An output with the tokens not yet reported (and the prompt logprobs, once)."""
-        start, seq.reported = seq.reported, len(seq.tokens)
-        out = RequestOutput(seq.rid, seq.tokens[start:], seq.logprobs[start:], prompt_logprobs=seq.prompt_logprobs)
-        if seq.top:
-            out.top_ids = seq.top_ids[start * seq.top:]
-            out.top_logprobs = seq.top_logprobs[start * seq.top:]
-        if seq.prompt_tops is not None:
-            out.prompt_top_ids, out.prompt_top_logprobs = seq.prompt_tops
-        seq.prompt_logprobs = seq.prompt_tops = None
-        return out
 
     def _free_slots(self, slots: list[int]) -> None:
         """Remove the sequences in ``slots``; the last live slots move into the holes below them
@@ -552,7 +540,7 @@ class TorchBackend:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"torch backend: load_weights is missing {len(missing)} tensor(s): {shown}")
         # Every cached KV was computed by the old weights, and so is the KV of every request now
-        # running: none of it may be reused from here on (``_Seq.epoch``).
+        # running: none of it may be reused from here on (``BackendSequence.epoch``).
         self._epoch += 1
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -585,7 +573,9 @@ class TorchBackend:
                 "kv_cache_bytes": self.runner.cache.nbytes, "version": self.version,
                 "prefix_cache_bytes": 0 if self.prefix_cache is None else self.prefix_cache.nbytes,
                 "prefix_cache_budget": 0 if self.prefix_cache is None else self.prefix_cache.budget,
-                "prefix_reused_tokens": self.reused_tokens}
+                "prefix_reused_tokens": self.reused_tokens, "speculative_k": self.speculative_k,
+                "speculative_drafted_tokens": self.drafted_tokens,
+                "speculative_accepted_tokens": self.accepted_tokens}
 
 
 def build(config: Any, model_path: str | None) -> TorchBackend:
@@ -597,4 +587,5 @@ def build(config: Any, model_path: str | None) -> TorchBackend:
                         dtype=torch_dtype(config), device=pick_device(config), prefill_tokens=args["prefill_tokens"],
                         batch_invariant=args["batch_invariant"], prefix_cache_bytes=args["prefix_cache_bytes"],
                         processed=getattr(config, "logprobs_mode", "raw") == "processed",
-                        threads_share=threads_share(config))
+                        threads_share=threads_share(config), speculative=args["speculative"],
+                        speculative_k=args["speculative_k"])

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -75,6 +76,7 @@ from rlengine.backends.torch.invariant import (
     plan_prefill,
     span_end,
 )
+from rlengine.backends.torch.prompt_scores import PromptScorer
 from rlengine.errors import ConfigurationError
 
 __all__ = ["DecoderRunner", "KVSlots", "PrefillJob"]
@@ -164,13 +166,13 @@ class PrefillJob:
     """One prompt to prefill into a slot: its tokens, how many leading positions are already in the
     slot's KV (``start``; 0 for a cold prefill), and what the caller wants back."""
 
-    __slots__ = ("pieces", "prompt_top", "start", "tokens", "want_prompt_logprobs")
+    __slots__ = ("pieces", "prompt_top", "scorer", "start", "tokens", "want_prompt_logprobs")
 
     def __init__(self, tokens: list[int], start: int = 0, pieces: list[torch.Tensor] | None = None,
-                 want_prompt_logprobs: bool = False, prompt_top: int = 0) -> None:
+                 want_prompt_logprobs: bool = False, prompt_top: int = 0, scorer: PromptScorer | None = None) -> None:
         if not 0 <= start < len(tokens):
             raise ValueError(f"prefill start {start}: must leave at least one of {len(tokens)} tokens to run")
-        if start and (want_prompt_logprobs or prompt_top):
+        if start and (want_prompt_logprobs or prompt_top or scorer is not None):
             raise ValueError("prompt logprobs need the whole prompt run (start 0)")
         self.tokens = tokens
         self.start = start
@@ -178,6 +180,8 @@ class PrefillJob:
         """KV of positions ``0..start-1`` (``KVSlots.read``'s layout, in order; may cover more)."""
         self.want_prompt_logprobs = want_prompt_logprobs
         self.prompt_top = prompt_top
+        self.scorer = scorer
+        """Takes the prompt positions' logits as the prompt logprobs are computed (``prompt_scores``)."""
 
 
 def _round_up(n: int, block: int) -> int:
@@ -348,14 +352,14 @@ class DecoderRunner:
                 prompt_tops.append(None)
                 continue
             targets = torch.as_tensor(job.tokens[1:], dtype=torch.long, device=self.device)
-            lps, top_lps, top_ids = self.target_logprobs(hidden, targets, job.prompt_top)
+            lps, top_lps, top_ids = self.target_logprobs(hidden, targets, job.prompt_top, job.scorer)
             prompt_logprobs.append(lps.tolist() if job.want_prompt_logprobs else None)
             prompt_tops.append(None if top_ids is None else (top_ids.flatten().tolist(), top_lps.flatten().tolist()))
         return self._head(hidden_last), prompt_logprobs, prompt_tops
 
     @staticmethod
     def _wants_prompt(job: PrefillJob) -> bool:
-        return job.want_prompt_logprobs or job.prompt_top > 0
+        return job.want_prompt_logprobs or job.prompt_top > 0 or job.scorer is not None
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)
@@ -467,16 +471,20 @@ class DecoderRunner:
 
         return self._layers(self.embed(ids)[None], positions[None], attend_plan)[0, :n]
 
-    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, top: int = 0
+    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, top: int = 0,
+                        scorer: PromptScorer | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """log_softmax(logits)[target] per position, in chunks of positions; with ``top`` k > 0 also
-        the k largest log_softmax values of each position and their token ids (else None, None)."""
+        the k largest log_softmax values of each position and their token ids (else None, None);
+        ``scorer`` takes each chunk's logits too."""
         out, top_lps, top_ids = [], [], []
         for start in range(0, targets.shape[0], _LOGIT_CHUNK):
             logits = self._head(hidden[start:start + _LOGIT_CHUNK])
             chunk = targets[start:start + _LOGIT_CHUNK]
             norm = logits.logsumexp(-1)
             out.append(logits.gather(-1, chunk[:, None]).squeeze(-1) - norm)
+            if scorer is not None:
+                scorer.take(start, logits, norm)
             if top:
                 values, indices = (logits - norm[:, None]).topk(top, dim=-1)
                 top_lps.append(values)
@@ -490,42 +498,74 @@ class DecoderRunner:
 
     # -- decode -------------------------------------------------------------------------
 
-    def decode(self, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """One token for each live slot ``0..S-1``: ``tokens[i]`` goes at position
-        ``lengths[i]``. Returns float32 logits [S, vocab]."""
-        s = tokens.shape[0]
+    def decode(self, tokens: torch.Tensor, lengths: list[int], counts: list[int] | None = None) -> torch.Tensor:
+        """One token for each live slot ``0..S-1``: ``tokens[i]`` goes at position ``lengths[i]``.
+        Returns float32 logits [S, vocab].
+
+        With ``counts`` (verification of drafted tokens, ``speculative``) slot ``i`` has
+        ``counts[i]`` consecutive rows of ``tokens`` (slot by slot), row j at position
+        ``lengths[i] + j``, each attending to the keys up to its own position; returns one row of
+        logits per token. In batch-invariant mode each row's logits are bitwise those of a
+        one-token decode at its position (``invariant.plan_decode``)."""
+        s = len(lengths)
+        if counts is None:
+            positions, slots, widest = lengths, None, 1
+        else:
+            slots = np.repeat(np.arange(s), counts)
+            firsts = np.repeat(np.cumsum(counts) - counts, counts)
+            positions = (np.repeat(lengths, counts) + np.arange(slots.shape[0]) - firsts).tolist()
+            widest = max(counts)
+        last = max(positions)
         if self.batch_invariant:
             # Room for a whole attention call's slots: padding items then extend the real ones' view.
-            self.cache.reserve(_round_up(s, self.tiles.items_per_call(1, SMALL_BLOCK)), span_end(max(lengths) + 1))
-            plan = plan_decode(tokens, lengths, self.tiles, self.cache.slot_cap, self.device)
+            self.cache.reserve(_round_up(s, self.tiles.items_per_call(1, SMALL_BLOCK)), span_end(last + 1))
+            plan = plan_decode(tokens, positions, slots, self.tiles, self.cache.slot_cap, self.device)
             return self._head(self._run_plan(plan))
-        span = max(lengths) + 1
+        span = last + 1
         self.cache.reserve(s, span)
         cache = self.cache
-        lengths = torch.as_tensor(lengths, device=self.device)
-        g = self.n_heads // self.n_kv_heads
-        visible = torch.arange(span, device=self.device)[None, :] <= lengths[:, None]
-        # Where each (sequence, kv head) writes its new K/V in a layer's buffer viewed as [positions, head_dim].
-        heads = torch.arange(self.n_kv_heads, device=self.device)
-        flat = ((torch.arange(s, device=self.device)[:, None] * self.n_kv_heads + heads[None, :]) * cache.len_cap
-                + lengths[:, None]).reshape(-1)
-        if self._matmul_decode:
-            bias = torch.zeros((s, 1, 1, span), device=self.device).masked_fill_(~visible[:, None, None, :],
-                                                                               float("-inf"))
+        d, g = self.head_dim, self.n_heads // self.n_kv_heads
+        at = torch.as_tensor(positions, device=self.device)
+        # Rows as a [S, widest] grid (a slot's rows first, padding rows after): attention runs on the
+        # cache's slots in place. ``grid`` holds each real row's place in it (None: every place is a row).
+        if slots is None:
+            owner, grid, grid_at = torch.arange(s, device=self.device), None, at[:, None]
         else:
-            mask = visible[:, None, None, :]
+            owner = torch.from_numpy(slots).to(self.device)
+            grid = owner * widest + torch.as_tensor(np.arange(slots.shape[0]) - firsts, device=self.device)
+            grid_at = torch.as_tensor(lengths, device=self.device)[:, None] + torch.arange(widest, device=self.device)
+        visible = torch.arange(span, device=self.device)[None, None, :] <= grid_at[:, :, None]  # [S, widest, span]
+        # Where each (row, kv head) writes its new K/V in a layer's buffer viewed as [positions, head_dim].
+        heads = torch.arange(self.n_kv_heads, device=self.device)
+        flat = ((owner[:, None] * self.n_kv_heads + heads[None, :]) * cache.len_cap + at[:, None]).reshape(-1)
+        if self._matmul_decode:
+            bias = torch.zeros((s, 1, 1, widest, span), device=self.device).masked_fill_(
+                ~visible[:, None, None], float("-inf"))
+        else:
+            mask = visible[:, None]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q [1, heads, R, D], k and v [1, kv_heads, R, D]: the pass's rows.
             ck, cv = cache.layer(layer)
-            ck.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
-            cv.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
+            ck.view(-1, d).index_copy_(0, flat, k[0].transpose(0, 1).reshape(-1, d))
+            cv.view(-1, d).index_copy_(0, flat, v[0].transpose(0, 1).reshape(-1, d))
             keys, values = ck[:s, :, :span], cv[:s, :, :span]
+            rows = q[0].transpose(0, 1)  # [R, heads, D]
+            if grid is not None:
+                rows = rows.new_zeros((s * widest, self.n_heads, d)).index_copy_(0, grid, rows)
+            q = rows.view(s, widest, self.n_heads, d).transpose(1, 2)  # [S, heads, widest, D]
             if not self._matmul_decode:
-                return self._sdpa(q, keys, values, mask)
-            # [S, kv_heads, g, 1, D]: query heads kv*g .. kv*g+g-1 share kv head kv (HF's repeat_kv order).
-            scores = torch.matmul(q.reshape(s, self.n_kv_heads, g, self.head_dim), keys.transpose(-1, -2))
-            probs = (scores.float() * self.scale + bias).softmax(-1).to(values.dtype)  # float32 softmax
-            return torch.matmul(probs, values).view(s, self.n_heads, 1, self.head_dim)
+                out = self._sdpa(q, keys, values, mask)
+            else:
+                # [S, kv_heads, g * widest, D]: query heads kv*g .. kv*g+g-1 share kv head kv (HF's repeat_kv order).
+                scores = torch.matmul(q.reshape(s, self.n_kv_heads, g * widest, d), keys.transpose(-1, -2))
+                scores = scores.float().view(s, self.n_kv_heads, g, widest, span) * self.scale + bias
+                probs = scores.softmax(-1).to(values.dtype).view(s, self.n_kv_heads, g * widest, span)
+                out = torch.matmul(probs, values).view(s, self.n_heads, widest, d)
+            out = out.transpose(1, 2).reshape(s * widest, self.n_heads, d)
+            if grid is not None:
+                out = out.index_select(0, grid)
+            return out.transpose(0, 1)[None]
 
-        hidden = self._layers(self.embed(tokens[:, None]), lengths[:, None], attend)
-        return self._head(hidden[:, 0])
+        hidden = self._layers(self.embed(tokens[None]), at[None], attend)
+        return self._head(hidden[0])

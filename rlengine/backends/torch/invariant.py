@@ -176,9 +176,10 @@ class Plan:
         return int(self.tokens.shape[0])
 
 
-Items = dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
-"""Attention items by shape ``(rows, span)``: their slots [count], the position of each one's query
-row 0 [count], and each query row's index among the pass's rows or -1 (not computed) [count, rows]."""
+Items = dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]]
+"""Attention items by shape ``(rows, span)`` (a key may add a group number: groups of one shape
+make calls of their own): their slots [count], the position of each one's query row 0 [count], and
+each query row's index among the pass's rows or -1 (not computed) [count, rows]."""
 
 
 def _chunks(items: Items, n: int, tiles: Tiles, slot_cap: int, device: torch.device) -> list[Chunk]:
@@ -186,7 +187,7 @@ def _chunks(items: Items, n: int, tiles: Tiles, slot_cap: int, device: torch.dev
     slots after consecutive real ones where the cache has them (the keys stay one view), else
     copies of the first."""
     out: list[Chunk] = []
-    for (rows, span), (slots, firsts, index) in sorted(items.items()):
+    for (rows, span, *_), (slots, firsts, index) in sorted(items.items()):
         per = tiles.items_per_call(rows, span)
         keys = np.arange(span)
         for at in range(0, slots.shape[0], per):
@@ -240,20 +241,29 @@ def plan_prefill(jobs: Sequence[tuple[Sequence[int], int, int]], tiles: Tiles, s
     return plan, offsets
 
 
-def plan_decode(tokens: torch.Tensor, lengths: Sequence[int], tiles: Tiles, slot_cap: int,
-                device: torch.device) -> Plan:
-    """The pass that decodes one token per slot ``0..len(lengths)-1``: ``tokens[i]`` at position
-    ``lengths[i]``."""
-    at = np.asarray(lengths)
+def plan_decode(tokens: torch.Tensor, positions: Sequence[int], slots: Sequence[int] | None, tiles: Tiles,
+                slot_cap: int, device: torch.device) -> Plan:
+    """The pass that decodes one row per position: ``tokens[i]`` at position ``positions[i]`` of slot
+    ``slots[i]`` (None: slot ``i``). Each row is its own attention item (its position against its
+    block's keys), so it computes what a pass decoding that one position would, whichever rows
+    (of its own slot too: verified drafts) share the pass."""
+    at = np.asarray(positions)
+    owner = np.arange(at.shape[0]) if slots is None else np.asarray(slots)
     spans = np.where(at < SMALL_SPAN, (at // SMALL_BLOCK + 1) * SMALL_BLOCK,
                      SMALL_SPAN + ((at - SMALL_SPAN) // BLOCK + 1) * BLOCK)  # decode_span, vectorised
+    # A slot's first row and its further ones (verified drafts) are items of separate calls: the
+    # first rows keep the consecutive slots of a plain decode, whose keys are views of the cache.
+    first = np.ones(at.shape[0], dtype=bool)
+    first[1:] = owner[1:] != owner[:-1]
     items: Items = {}
     for span in np.unique(spans):
-        slots = np.flatnonzero(spans == span)
-        items[1, int(span)] = (slots, at[slots], slots[:, None])
+        for lane in (True, False):
+            rows = np.flatnonzero((spans == span) & (first == lane))
+            if rows.shape[0]:
+                items[1, int(span), int(not lane)] = (owner[rows], at[rows], rows[:, None])
     n = at.shape[0]
     return Plan(tokens.to(device=device, dtype=torch.long), torch.from_numpy(at).to(device),
-                torch.arange(n, device=device), _chunks(items, n, tiles, slot_cap, device))
+                torch.from_numpy(owner).to(device), _chunks(items, n, tiles, slot_cap, device))
 
 
 def attend(chunk: Chunk, q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

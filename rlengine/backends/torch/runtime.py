@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlengine.backends.torch.speculative import DEFAULT_K, MAX_K, SPECULATIVE_MODES
 from rlengine.backends.torch.threads import decide, per_thread
 from rlengine.errors import ConfigurationError
 
@@ -38,6 +39,8 @@ ENGINE_ARGS: dict[str, object] = {
     "batch_invariant": False,
     "tree_min_prefix": 64,
     "prefix_cache_bytes": PREFIX_CACHE_BYTES,
+    "speculative": None,
+    "speculative_k": DEFAULT_K,
 }
 """``EngineConfig.engine_args`` understood by the torch backend and trainer, with defaults:
 ``device`` (None: CUDA if available, else CPU); ``prefill_tokens``, the padded
@@ -51,7 +54,10 @@ least this many leading tokens are packed as a tree, each shared prefix
 computed once (``rlengine.trainer.tree``); 0 turns them off;
 ``prefix_cache_bytes``, the memory the torch backend's prefix cache may hold
 (KV of prompts and conversations it has computed, reused by requests that
-start with them; 0 turns it off; ``backends.torch.prefix_cache``)."""
+start with them; 0 turns it off; ``backends.torch.prefix_cache``);
+``speculative``, ``"ngram"`` for exact speculative decoding with drafts from each
+request's own context (None: off; ``backends.torch.speculative``), and
+``speculative_k``, the most tokens a request drafts per step."""
 
 
 def configure_threads(share: int = 1) -> int:
@@ -90,6 +96,12 @@ def engine_args(config: Any) -> dict[str, Any]:
     v = args["prefix_cache_bytes"]
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ConfigurationError(f"engine_args['prefix_cache_bytes']={v!r}: must be an integer >= 0")
+    if args["speculative"] not in SPECULATIVE_MODES:
+        raise ConfigurationError(f"engine_args['speculative']={args['speculative']!r}: must be one of "
+                                 f"{', '.join(map(repr, SPECULATIVE_MODES))}")
+    v = args["speculative_k"]
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_K:
+        raise ConfigurationError(f"engine_args['speculative_k']={v!r}: must be an integer in [1, {MAX_K}]")
     if not isinstance(args["batch_invariant"], bool):
         raise ConfigurationError(f"engine_args['batch_invariant']={args['batch_invariant']!r}: must be true or false")
     return args

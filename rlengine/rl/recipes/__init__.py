@@ -14,9 +14,14 @@ Built in:
 * ``guess`` - a multi-turn guessing game; each game runs in a sandbox
   process that samples through the engine's IPC server (``guess``,
   ``guess_sandbox``).
+* ``guess-duo`` - the guessing game with two agents: a scripted hint-giver
+  that never trains and a guesser that does (``guess_duo``; multi-agent
+  episodes, ``rlengine.rl.multi_agent``).
 * ``tools`` - an agent with the official ``openai`` client and
   ``tools=[...]`` over HTTP, in sandbox processes; the answer is what the
   tool returns; learns on CPU in minutes (``tools``, ``tools_agent``).
+* ``distill`` - ``copy``'s task learnt from a teacher (``teacher=PATH``) by
+  on-policy distillation; ``distill:<base>`` for another base (``distill``).
 
 A recipe whose environments need something running beside the engine (a
 server, sandbox processes) provides it in ``attach``, entered once the
@@ -55,7 +60,9 @@ __all__ = ["BUILTIN", "DigitTasks", "EveryDigit", "GivenModel", "Recipe", "Seede
 BUILTIN: dict[str, str] = {
     "copy": "rlengine.rl.recipes.copy_digits:RECIPE",
     "guess": "rlengine.rl.recipes.guess:RECIPE",
+    "guess-duo": "rlengine.rl.recipes.guess_duo:RECIPE",
     "tools": "rlengine.rl.recipes.tools:RECIPE",
+    "distill": "rlengine.rl.recipes.distill:copy",
 }
 
 
