@@ -88,11 +88,28 @@ def signalled(run_dir: Path, steps: int, *sigs: int, settings: tuple[str, ...] =
     return out, err
 
 
+LATE = re.compile(r"no checkpoint at the stop: step (\d+) had sent training calls")
+"""The stop found the next step's training calls sent: the trainer is past the last step finished,
+so no checkpoint can hold it (``RunCheckpoints.at_stop``)."""
+ATTEMPTS = 3
+"""The signal follows the third metrics line by a poll; the next step samples 16 short answers
+(~50-100 ms here) before its training calls: a loaded machine can lose that race."""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_mid_run_checkpoints_the_last_step_names_it_and_exits_128_plus_n(tmp_path, sig):
-    run_dir = tmp_path / "run"
-    out, err = signalled(run_dir, 3, sig)
-    assert f"interrupted by {sig.name}" in err
+    for attempt in range(ATTEMPTS):
+        run_dir = tmp_path / f"run{attempt}"
+        out, err = signalled(run_dir, 3, sig)
+        assert f"interrupted by {sig.name}" in err
+        late = LATE.search(err)
+        if late is None:
+            break
+        # Lost the race: a documented stop, with no checkpoint written and the step named; try again.
+        assert int(late[1]) == len(read_jsonl(str(run_dir / "metrics.jsonl"))) + 1, err[-3000:]
+        assert CHECKPOINT_LINE.search(err) is None and not list(run_dir.glob("checkpoints/step-*/loop.json"))
+    else:
+        raise AssertionError(f"every one of {ATTEMPTS} signals landed after the next step's training calls")
     found = CHECKPOINT_LINE.search(err)
     assert found is not None, err[-3000:]
     path, step, resume_dir = Path(found[1]), int(found[2]), found[3]

@@ -24,7 +24,7 @@ from rlengine.errors import ConfigurationError
 from rlengine.rl import cli
 from rlengine.rl.dump import FORMAT_VERSION, ForwardBackwardCall, OptimStepCall, read_step, step_files
 from rlengine.rl.errors import RolloutDumpError
-from rlengine.rl.metrics import read_jsonl
+from rlengine.rl.metrics import measured, read_jsonl
 from rlengine.rl.run import train
 
 pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left out of a light install
@@ -32,7 +32,6 @@ pytestmark = pytest.mark.model_plane  # the tiny model or its tokenizer: left ou
 # Small enough for seconds: 3 steps of 4 groups of 4, the recipe's 8 substeps and entropy bonus kept.
 SMALL = {"steps": "3", "groups_per_batch": "4", "group_size": "4", "eval_every": "0", "checkpoint_every": "0",
          "backend": "torch"}
-TIMINGS = {"tokens_per_s", "step_time_s", "train_time_s", "sampler_idle_frac", "trainer_busy_frac", "time_s"}
 
 
 class Calls:
@@ -74,7 +73,8 @@ def no_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def columns(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in TIMINGS}
+    """The record without the columns that measure the machine (``rl.metrics.MEASURED``)."""
+    return measured(record)
 
 
 @pytest.fixture(scope="module")

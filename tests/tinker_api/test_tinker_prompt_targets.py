@@ -23,6 +23,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
+from tinker_sdk import SDK_WARNINGS
 
 import rlengine as rle
 from rlengine.tinker_api import TinkerServerConfig, start
@@ -33,11 +34,7 @@ types = tinker.types
 
 pytestmark = [
     pytest.mark.model_plane,
-    # The SDK's own deprecations and the sockets it leaves to the collector are not ours to fix.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:tinker"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:tinker"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    *SDK_WARNINGS,
 ]
 
 WAIT = 120.0

@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 import pytest
+from tinker_sdk import SDK_WARNINGS
 
 import rlengine as rle
 
@@ -25,11 +26,7 @@ types = tinker.types
 
 pytestmark = [
     pytest.mark.slow,
-    # The SDK's own deprecations and the sockets it leaves to the collector are not ours to fix.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:tinker"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:tinker"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    *SDK_WARNINGS,
 ]
 
 WAIT = 120.0

@@ -21,6 +21,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
+from tinker_sdk import SDK_WARNINGS
 
 import rlengine as rle
 from rlengine.errors import InvalidRequest
@@ -34,11 +35,7 @@ types = tinker.types
 httpx = pytest.importorskip("httpx")
 
 pytestmark = [
-    # The SDK's own deprecations and the sockets it leaves to the collector are not ours to fix.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:tinker"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:tinker"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    *SDK_WARNINGS,
 ]
 
 WAIT = 120.0
