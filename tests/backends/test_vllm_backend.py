@@ -130,7 +130,7 @@ def test_seeded_sampling_reproduces(engines):
     assert len({tuple(s.tokens) for s in a.sequences}) > 1
 
 
-def test_weight_install_gives_the_trainers_new_outputs_on_both(engines):
+def test_weight_install_gives_the_trainers_new_outputs_on_both(engines, tmp_path):
     vllm_engine, torch_engine = engines
     datum = rle.Datum(model_input=rle.ModelInput.from_ints(PROMPTS[0]),
                       loss_fn_inputs={"target_tokens": np.array([17, 300, 42, 7])})
@@ -138,11 +138,18 @@ def test_weight_install_gives_the_trainers_new_outputs_on_both(engines):
     results = {}
     for engine in (vllm_engine, torch_engine):
         t = engine.training_client()
-        for _ in range(3):
-            t.forward_backward([datum]).result(WAIT)
-            t.optim_step(rle.AdamParams(learning_rate=0.05)).result(WAIT)
-        version = t.save_weights_for_sampler().result(WAIT).version
-        results[engine.backend.name] = (version, sample_all(engine, greedy(6)))
+        saved = str(tmp_path / engine.backend.name)
+        t.save_state(saved).result(WAIT)
+        try:
+            for _ in range(3):
+                t.forward_backward([datum]).result(WAIT)
+                t.optim_step(rle.AdamParams(learning_rate=0.05)).result(WAIT)
+            version = t.save_weights_for_sampler().result(WAIT).version
+            results[engine.backend.name] = (version, sample_all(engine, greedy(6)))
+        finally:
+            # The engines are the module's: leave them with the weights the other tests expect (in any order).
+            t.load_state(saved).result(WAIT)
+            t.save_weights_for_sampler().result(WAIT)
     (vv, v_after), (tv, t_after) = results["vllm"], results["torch"]
     assert [r.sequences[0].tokens for r in v_after] != [r.sequences[0].tokens for r in before]
     for v, t in zip(v_after, t_after):
