@@ -14,7 +14,7 @@ import math
 
 import openai
 import pytest
-from serving import WAIT, Served, openai_client
+from serving import WAIT, Served
 
 import rlengine as rle
 from rlengine.serve import ServeConfig
@@ -28,12 +28,6 @@ def served(model_cache):
                ServeConfig(ipc=False))
     yield s
     s.close()
-
-
-@pytest.fixture
-def client(served):
-    with openai_client(served) as c:
-        yield c
 
 
 def engine_sample(served, ids, **params):

@@ -28,13 +28,6 @@ def served(model_cache):
     s.close()
 
 
-@pytest.fixture
-def client(served):
-    c = openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
-    yield c
-    c.close()
-
-
 def test_text_input_and_instructions(served, client):
     script(served, "Hello there.")
     resp = client.responses.create(model="tiny", instructions="Be brief.", input="Hi!")

@@ -35,12 +35,6 @@ def served(model_cache):
     s.close()
 
 
-@pytest.fixture
-def client(served):
-    with openai_client(served) as c:
-        yield c
-
-
 def _open(served, roles=None) -> dict[str, str]:
     """A session opened by the trainer (declaring ``roles``): its HTTP headers."""
     session = served.call(served.sessions.open, None, roles)

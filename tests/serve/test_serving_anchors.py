@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serving import WAIT, Served, demo_tool_round_trip, openai_client, sim_config
+from serving import WAIT, Served, demo_tool_round_trip, sim_config
 
 import rlengine as rle
 from rlengine.serve import ServeConfig
@@ -32,12 +32,6 @@ def served():
     s = Served([sim_config()], ServeConfig(ipc=False))
     yield s
     s.close()
-
-
-@pytest.fixture
-def client(served):
-    with openai_client(served) as c:
-        yield c
 
 
 def assert_context_error(error: dict, field: str, value: int) -> None:

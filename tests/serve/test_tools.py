@@ -33,13 +33,6 @@ def served(model_cache):
     s.close()
 
 
-@pytest.fixture
-def client(served):
-    c = openai.OpenAI(base_url=served.http_url, api_key=served.api_key, max_retries=0, timeout=WAIT)
-    yield c
-    c.close()
-
-
 def open_session(client) -> tuple[str, dict[str, str]]:
     opened = client.post("/sessions", body={}, cast_to=object)
     return opened["session_id"], {"X-Session-ID": opened["session_id"], "X-Session-Token": opened["token"]}
