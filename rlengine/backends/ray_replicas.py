@@ -33,8 +33,10 @@ the same ``EngineConfig`` and model directory:
   ``max_replacements`` times). With no replica left, new requests are
   refused with ``ReplicaLost``; none waits for a replica that will not come.
 
-What crosses to an actor is bytes: requests and outputs as msgpack, weights
-as buckets (Ray's own transport is its business). Importing this module
+What crosses to an actor is bytes: requests and outputs as msgpack
+(``backends.replica_wire``: every field of an output, the speculative counts
+and prompt scores included, so a replica serves what its backend serves),
+weights as buckets (Ray's own transport is its business). Importing this module
 imports Ray; the engine imports it only for ``placement.kind == "ray"``.
 """
 
@@ -44,7 +46,6 @@ import contextlib
 import logging
 import os
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -54,6 +55,7 @@ import ray
 
 from rlengine.backends import SPECS, Capabilities, RequestOutput, load
 from rlengine.backends.base import BackendRequest
+from rlengine.backends.replica_wire import Answer, WireOutput, decode_answer, decode_requests, encode
 from rlengine.backends.weight_buckets import pack, unpack
 from rlengine.config import EngineConfig
 from rlengine.errors import ConfigurationError, EngineDeadError, ReplicaLost, WeightSyncError
@@ -70,33 +72,6 @@ _PINS = 65536
 """Affinities whose replica is remembered."""
 _CALL_TIMEOUT_S = 60.0
 """Bound on a replica's small control calls (sleep, wake-up, close, fault injection)."""
-
-_requests = msgspec.msgpack.Decoder(list[BackendRequest])
-_encode = msgspec.msgpack.Encoder()
-
-# One output on the wire: request id, token ids (int32 bytes), logprobs (float32 bytes),
-# finished, stop reason, prompt logprobs (float32 bytes), error, top ids/logprobs and
-# prompt top ids/logprobs (int32 / float32 bytes).
-_Wire = tuple[str, bytes, bytes, bool, str | None, bytes | None, str | None, bytes | None, bytes | None,
-              bytes | None, bytes | None]
-_answers = msgspec.msgpack.Decoder(tuple[list[tuple[str, str]], list[_Wire], int])
-
-
-def _ints(values: Any) -> bytes | None:
-    return None if values is None else array("i", values).tobytes()
-
-
-def _floats(values: Any) -> bytes | None:
-    return None if values is None else array("f", values).tobytes()
-
-
-def _array(code: str, raw: bytes | None) -> array | None:
-    if raw is None:
-        return None
-    out = array(code)
-    out.frombytes(raw)
-    return out
-
 
 class PackedWeights:
     """Weights already packed into buckets in the object store (the sharded trainer's
@@ -148,7 +123,7 @@ class ReplicaWorker:
     def ready(self) -> bytes:
         """The backend's name, capabilities, vocabulary size, context length and pid (msgpack)."""
         b = self.backend
-        return _encode.encode((b.name, b.capabilities, b.vocab_size, b.max_model_len, os.getpid()))
+        return encode((b.name, b.capabilities, b.vocab_size, b.max_model_len, os.getpid()))
 
     def run(self, adds: bytes, aborts: list[str], max_steps: int) -> bytes:
         """Aborts, adds, then steps until something reports or ``max_steps`` ran."""
@@ -157,7 +132,7 @@ class ReplicaWorker:
         if aborts:
             backend.abort_request(aborts)
         rejected = []
-        for request in _requests.decode(adds) if adds else ():
+        for request in decode_requests(adds) if adds else ():
             try:
                 backend.add_request(request)
             except Exception as exc:  # noqa: BLE001 - a per-request rejection, reported
@@ -169,10 +144,7 @@ class ReplicaWorker:
             steps += 1
             if outs:
                 break
-        wire = [(o.request_id, _ints(o.token_ids), _floats(o.logprobs), o.finished, o.stop_reason,
-                 _floats(o.prompt_logprobs), o.error, _ints(o.top_ids), _floats(o.top_logprobs),
-                 _ints(o.prompt_top_ids), _floats(o.prompt_top_logprobs)) for o in outs]
-        return _encode.encode((rejected, wire, steps))
+        return encode(Answer(rejected, [WireOutput.of(o) for o in outs], steps))
 
     def load_weights(self, version: int, *buckets: bytes) -> int:
         self._fault("load_weights")
@@ -245,8 +217,7 @@ class ReplicaSet:
         first = self._start_all()
         name, caps, self.vocab_size, self.max_model_len = first
         self.name = f"ray[{placement.sampler_replicas}x{name}]"
-        # The replicas' output wire carries no prompt scores: not served, rather than lost.
-        self.capabilities = msgspec.structs.replace(msgspec.convert(caps, Capabilities), prompt_scores=False)
+        self.capabilities = msgspec.convert(caps, Capabilities)
 
     # -- replica lifecycle ------------------------------------------------------------
 
@@ -368,7 +339,7 @@ class ReplicaSet:
         return bool(self._where) or bool(self._lost)
 
     def _send(self, replica: _Replica, max_steps: int) -> None:
-        adds = _encode.encode(replica.adds) if replica.adds else b""
+        adds = encode(replica.adds) if replica.adds else b""
         for request in replica.adds:
             replica.inflight.add(request.request_id)
         replica.call = replica.actor.run.remote(adds, replica.aborts, max_steps)
@@ -394,33 +365,31 @@ class ReplicaSet:
             replica = calls[ref]
             replica.call = None
             try:
-                rejected, wire, _ = _answers.decode(ray.get(ref))
+                answer = decode_answer(ray.get(ref))
             except Exception as exc:  # noqa: BLE001 - the actor died or its backend failed: the replica is lost
                 self._lose(replica, f"{type(exc).__name__}: {exc}")
                 continue
-            self._collect(replica, rejected, wire, outs)
+            self._collect(replica, answer, outs)
         outs.extend(self._lost)
         self._lost = []
         return outs
 
-    def _collect(self, replica: _Replica, rejected: list[tuple[str, str]], wire: list[_Wire],
-                 outs: list[RequestOutput]) -> None:
+    def _collect(self, replica: _Replica, answer: Answer, outs: list[RequestOutput]) -> None:
         inflight, where = replica.inflight, self._where
-        for rid, why in rejected:
+        for rid, why in answer.rejected:
             if rid in inflight:
                 inflight.discard(rid)
                 where.pop(rid, None)
                 outs.append(RequestOutput(rid, [], [], finished=True, error=f"rejected by replica "
                                           f"{replica.index}: {why}"))
-        for rid, tokens, lps, finished, stop, prompt_lps, error, top_ids, top_lps, p_ids, p_lps in wire:
+        for wire in answer.outputs:
+            rid = wire.request_id
             if rid not in inflight:  # aborted while the call ran
                 continue
-            if finished:
+            if wire.finished:
                 inflight.discard(rid)
                 where.pop(rid, None)
-            outs.append(RequestOutput(rid, _array("i", tokens), _array("f", lps), finished, stop,  # type: ignore[arg-type]
-                                      _array("f", prompt_lps), error, _array("i", top_ids), _array("f", top_lps),
-                                      _array("i", p_ids), _array("f", p_lps)))
+            outs.append(wire.output())
 
     def _flush(self, replicas: list[_Replica]) -> None:
         """Send buffered aborts (and adds) before a control call, which runs after them."""
