@@ -32,9 +32,14 @@ record goes first, and a training request that names a sequence counts as
 a use (Tinker: "each training request that uses a sequence restarts that
 day"). A record holds the response's own buffers, not copies.
 
-Loop thread only; no engine work. The wire modules (``proto``, ``wire``)
-decode spans into ``Span`` and a datum carrying them into a
-``ProvenancedDatum`` (``provenanced``).
+The records table is the loop thread's; no engine work. Checking a batch
+is split so that nothing per token runs there: ``named_sequences`` (any
+thread) lists the sequences a batch names, ``SequenceRecords.lookup`` (loop,
+once per distinct sequence) takes their records, and ``check_spans`` /
+``resolve_spans`` (any thread) do the token-level comparisons and gathers
+on what it took (why that is safe: above ``named_sequences``). The wire
+modules (``proto``, ``wire``) decode spans into ``Span`` and a datum
+carrying them into a ``ProvenancedDatum`` (``provenanced``).
 """
 
 from __future__ import annotations
@@ -46,11 +51,12 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 
 from rlengine.errors import InvalidRequest
-from rlengine.tinker_api.errors import Gone, ProvenanceError
+from rlengine.tinker_api.errors import Gone, ProvenanceError, TinkerApiError
 from rlengine.trainer.losses import concat_inputs, concat_tokens
 from rlengine.types import Datum, ModelInput, SampleResponse, TensorData
 
-__all__ = ["ProvenancedDatum", "SequenceRecord", "SequenceRecords", "Span", "provenanced"]
+__all__ = ["ProvenancedDatum", "SequenceRecord", "SequenceRecords", "Span", "check_spans", "named_sequences",
+           "provenanced", "resolve_spans"]
 
 _EVICTED_KEPT = 100_000
 
@@ -238,99 +244,145 @@ class SequenceRecords:
 
     # -- checking datums ---------------------------------------------------------------------
 
-    def check(self, owner: str, session_id: str, data: list[Datum]) -> list[tuple[int, int, Span, SequenceRecord]]:
-        """Check every ``ProvenancedDatum``'s spans (module docstring; plain datums pass); returns the sampled
-        runs of the targets as ``(datum index, first position in the datum, span, record)``."""
+    def lookup(self, owner: str, session_id: str, named: dict[str, str]) -> dict[str, SequenceRecord | TinkerApiError]:
+        """The records of the sequences a batch names (``named_sequences``), each marked used now, or the
+        error naming its first mention (raised by ``check_spans`` where the walk reaches it). Loop thread:
+        O(distinct sequences), nothing per token."""
         now = time.monotonic()
         self._evict(now)
-        model_runs, target_runs, sampled = _Runs(), _Runs(), []
-        spanned: list[Datum] = []
-        with_targets: list[Datum] = []
-        found: dict[str, SequenceRecord] = {}
-        """This batch's records by id: a datum's spans mostly name one sequence."""
-        position = target_position = 0
-        for i, datum in enumerate(data):
-            if not isinstance(datum, ProvenancedDatum):
-                continue
-            spanned.append(datum)
-            n = datum.model_input.length
-            targets = datum.loss_fn_inputs.get("target_tokens")
-            # A missing or misshapen target_tokens is left to the loss's validation, which names it.
-            compare_targets = targets is not None and targets.shape == [n] and targets.dtype == "int64"
-            if compare_targets:
-                with_targets.append(datum)
-            for field, spans in (("model_input_spans", datum.model_input_spans),
-                                 ("loss_fn_input_spans", datum.loss_fn_input_spans)):
-                total = sum(span.length for span in spans)
-                if total != n:
-                    raise ProvenanceError(f"data[{i}].{field}", total, f"the runs cover {total} positions; they "
-                                          f"must tile the datum's {n}")
-                model = field == "model_input_spans"
-                first = 0
-                for j, span in enumerate(spans):
-                    record = found.get(span.sequence_id)
-                    if record is None:
-                        record = found[span.sequence_id] = self._use(
-                            owner, session_id, span.sequence_id, f"data[{i}].{field}[{j}].sequence_id", now)
-                    ids = record.tokens if span.sampled else record.prompt
-                    end = span.offset + span.length
-                    if span.offset < 0 or span.length < 0 or end > ids.size:
-                        _out_of_range(f"data[{i}].{field}[{j}]", span, ids.size)
-                    if model:
-                        model_runs.add(ids[span.offset:end], position + first, first, f"data[{i}].{field}[{j}]",
-                                       span)
-                    elif span.sampled and span.length:
-                        sampled.append((i, first, span, record))
-                        if compare_targets:
-                            target_runs.add(ids[span.offset:end], target_position + first, first,
-                                            f"data[{i}].{field}[{j}]", span)
-                    first += span.length
-            position += n
-            if compare_targets:
-                target_position += n
-        if spanned:
-            model_runs.compare(concat_tokens(spanned), "model_input")
-            target_runs.compare(concat_inputs(with_targets, "target_tokens"), "target_tokens")
-        return sampled
+        found: dict[str, SequenceRecord | TinkerApiError] = {}
+        for sequence_id, field in named.items():
+            try:
+                found[sequence_id] = self._use(owner, session_id, sequence_id, field, now)
+            except (Gone, ProvenanceError) as exc:
+                found[sequence_id] = exc
+        return found
+
+    def check(self, owner: str, session_id: str, data: list[Datum]) -> list[tuple[int, int, Span, SequenceRecord]]:
+        """``check_spans`` of ``data`` against these records, all on the calling (loop) thread."""
+        return check_spans(data, self.lookup(owner, session_id, named_sequences(data)))
 
     def resolve(self, owner: str, session_id: str, data: list[Datum]) -> list[Datum]:
-        """``stable_reinforce``'s data: each datum checked and given the recorded behaviour logprobs
-        (``logprobs`` at sampled positions) and its sampled positions (``mask``)."""
-        provenanced: list[ProvenancedDatum] = []
-        for i, datum in enumerate(data):
-            if not isinstance(datum, ProvenancedDatum):
-                raise ProvenanceError(f"data[{i}].loss_fn_input_spans", None, "loss_fn='stable_reinforce' needs "
-                                      "provenance on every datum (Datum.with_provenance naming the sampled "
-                                      "sequences, sampled with record_stability_info=True)")
-            provenanced.append(datum)
-        sampled = self.check(owner, session_id, data)
-        lengths = [d.model_input.length for d in data]
-        offsets = np.cumsum([0, *lengths]).tolist()
-        has = {i for i, _, _, _ in sampled}
-        for i in range(len(data)):
-            if i not in has:
-                raise ProvenanceError(f"data[{i}].loss_fn_input_spans", "no SampledProvenanceSpan",
-                                      "loss_fn='stable_reinforce' trains on sampled tokens: name at least one")
-        # The batch's columns at once (a datum's own logprobs where it sent them, with its length),
-        # then cut back into datums: one conversion, not one per datum.
-        behaviour = np.concatenate([_column(d, "logprobs", n) for d, n in zip(data, lengths, strict=True)])
-        mask = np.zeros(offsets[-1], dtype=np.float32)
-        for i, first, span, record in sampled:
-            if record.logprobs is None:
-                j = provenanced[i].loss_fn_input_spans.index(span)
-                raise ProvenanceError(f"data[{i}].loss_fn_input_spans[{j}].sequence_id", span.sequence_id,
-                                      "was sampled without record_stability_info=True: loss_fn='stable_reinforce' "
-                                      "needs its recorded behaviour logprobs")
-            at = offsets[i] + first
-            behaviour[at:at + span.length] = record.logprobs[span.offset:span.offset + span.length]
-            mask[at:at + span.length] = 1.0
-        if any("mask" in d.loss_fn_inputs for d in data):
-            mask *= np.concatenate([_column(d, "mask", n, 1.0) for d, n in zip(data, lengths, strict=True)]) > 0
-        columns = {"logprobs": TensorData.from_numpy_parts(behaviour, lengths),
-                   "mask": TensorData.from_numpy_parts(mask, lengths)}
-        return [Datum(model_input=d.model_input,
-                      loss_fn_inputs={**d.loss_fn_inputs, "logprobs": columns["logprobs"][i], "mask": columns["mask"][i]})
-                for i, d in enumerate(data)]
+        """``resolve_spans`` of ``data`` against these records, all on the calling (loop) thread."""
+        return resolve_spans(data, self.lookup(owner, session_id, named_sequences(data)))
+
+
+# -- the token-level work: any thread --------------------------------------------------------------
+#
+# These read the request's own datums and, through ``found``, records taken by ``SequenceRecords.lookup``
+# on the loop. That is safe off the loop: a record's arrays (prompt, tokens, logprobs) are set once when
+# the sample finishes, over the response's immutable bytes, and never replaced; the loop mutates only
+# the records table and each record's ``used``, neither of which is read here. A record evicted after
+# the lookup stays alive (and unchanged) while ``found`` holds it, as if the check had run at the lookup.
+
+
+def named_sequences(data: list[Datum]) -> dict[str, str]:
+    """Every sequence id the spans of ``data`` name -> the field of its first mention (the order
+    ``check_spans`` walks them)."""
+    named: dict[str, str] = {}
+    for i, datum in enumerate(data):
+        if not isinstance(datum, ProvenancedDatum):
+            continue
+        for field, spans in (("model_input_spans", datum.model_input_spans),
+                             ("loss_fn_input_spans", datum.loss_fn_input_spans)):
+            for j, span in enumerate(spans):
+                if span.sequence_id not in named:
+                    named[span.sequence_id] = f"data[{i}].{field}[{j}].sequence_id"
+    return named
+
+
+def check_spans(data: list[Datum], found: dict[str, SequenceRecord | TinkerApiError]
+                ) -> list[tuple[int, int, Span, SequenceRecord]]:
+    """Check every ``ProvenancedDatum``'s spans (module docstring; plain datums pass) against the records
+    ``found`` for them; returns the sampled runs of the targets as ``(datum index, first position in the
+    datum, span, record)``. The first failure in datum and span order is raised."""
+    model_runs, target_runs, sampled = _Runs(), _Runs(), []
+    spanned: list[Datum] = []
+    with_targets: list[Datum] = []
+    position = target_position = 0
+    for i, datum in enumerate(data):
+        if not isinstance(datum, ProvenancedDatum):
+            continue
+        spanned.append(datum)
+        n = datum.model_input.length
+        targets = datum.loss_fn_inputs.get("target_tokens")
+        # A missing or misshapen target_tokens is left to the loss's validation, which names it.
+        compare_targets = targets is not None and targets.shape == [n] and targets.dtype == "int64"
+        if compare_targets:
+            with_targets.append(datum)
+        for field, spans in (("model_input_spans", datum.model_input_spans),
+                             ("loss_fn_input_spans", datum.loss_fn_input_spans)):
+            total = sum(span.length for span in spans)
+            if total != n:
+                raise ProvenanceError(f"data[{i}].{field}", total, f"the runs cover {total} positions; they "
+                                      f"must tile the datum's {n}")
+            model = field == "model_input_spans"
+            first = 0
+            for j, span in enumerate(spans):
+                record = found[span.sequence_id]
+                if not isinstance(record, SequenceRecord):
+                    # This span is the id's first mention (``named_sequences``): the error names it.
+                    raise record
+                ids = record.tokens if span.sampled else record.prompt
+                end = span.offset + span.length
+                if span.offset < 0 or span.length < 0 or end > ids.size:
+                    _out_of_range(f"data[{i}].{field}[{j}]", span, ids.size)
+                if model:
+                    model_runs.add(ids[span.offset:end], position + first, first, f"data[{i}].{field}[{j}]",
+                                   span)
+                elif span.sampled and span.length:
+                    sampled.append((i, first, span, record))
+                    if compare_targets:
+                        target_runs.add(ids[span.offset:end], target_position + first, first,
+                                        f"data[{i}].{field}[{j}]", span)
+                first += span.length
+        position += n
+        if compare_targets:
+            target_position += n
+    if spanned:
+        model_runs.compare(concat_tokens(spanned), "model_input")
+        target_runs.compare(concat_inputs(with_targets, "target_tokens"), "target_tokens")
+    return sampled
+
+
+def resolve_spans(data: list[Datum], found: dict[str, SequenceRecord | TinkerApiError]) -> list[Datum]:
+    """``stable_reinforce``'s data: each datum checked (``check_spans``) and given the recorded behaviour
+    logprobs (``logprobs`` at sampled positions) and its sampled positions (``mask``)."""
+    provenanced: list[ProvenancedDatum] = []
+    for i, datum in enumerate(data):
+        if not isinstance(datum, ProvenancedDatum):
+            raise ProvenanceError(f"data[{i}].loss_fn_input_spans", None, "loss_fn='stable_reinforce' needs "
+                                  "provenance on every datum (Datum.with_provenance naming the sampled "
+                                  "sequences, sampled with record_stability_info=True)")
+        provenanced.append(datum)
+    sampled = check_spans(data, found)
+    lengths = [d.model_input.length for d in data]
+    offsets = np.cumsum([0, *lengths]).tolist()
+    has = {i for i, _, _, _ in sampled}
+    for i in range(len(data)):
+        if i not in has:
+            raise ProvenanceError(f"data[{i}].loss_fn_input_spans", "no SampledProvenanceSpan",
+                                  "loss_fn='stable_reinforce' trains on sampled tokens: name at least one")
+    # The batch's columns at once (a datum's own logprobs where it sent them, with its length),
+    # then cut back into datums: one conversion, not one per datum.
+    behaviour = np.concatenate([_column(d, "logprobs", n) for d, n in zip(data, lengths, strict=True)])
+    mask = np.zeros(offsets[-1], dtype=np.float32)
+    for i, first, span, record in sampled:
+        if record.logprobs is None:
+            j = provenanced[i].loss_fn_input_spans.index(span)
+            raise ProvenanceError(f"data[{i}].loss_fn_input_spans[{j}].sequence_id", span.sequence_id,
+                                  "was sampled without record_stability_info=True: loss_fn='stable_reinforce' "
+                                  "needs its recorded behaviour logprobs")
+        at = offsets[i] + first
+        behaviour[at:at + span.length] = record.logprobs[span.offset:span.offset + span.length]
+        mask[at:at + span.length] = 1.0
+    if any("mask" in d.loss_fn_inputs for d in data):
+        mask *= np.concatenate([_column(d, "mask", n, 1.0) for d, n in zip(data, lengths, strict=True)]) > 0
+    columns = {"logprobs": TensorData.from_numpy_parts(behaviour, lengths),
+               "mask": TensorData.from_numpy_parts(mask, lengths)}
+    return [Datum(model_input=d.model_input,
+                  loss_fn_inputs={**d.loss_fn_inputs, "logprobs": columns["logprobs"][i], "mask": columns["mask"][i]})
+            for i, d in enumerate(data)]
 
 
 def _column(datum: Datum, key: str, n: int, default: float = 0.0) -> np.ndarray:

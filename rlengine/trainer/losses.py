@@ -46,9 +46,13 @@ advantage):
 Its derivative with respect to ``logp`` is ``keep * (-w * A + kl_coeff * (r - 1))``: below the cap
 exactly ``importance_sampling``'s (value and gradient), above it ``-C * A`` (the weight is a constant,
 as in truncated importance sampling), so a token's policy-gradient term never exceeds ``C * |A|``
-however stale the sample. A trainer hands it one datum at a time (``SEQUENCE_LOSSES``). ``r - 1 - d`` is the k3 estimator of KL(behaviour || policy) on tokens the behaviour
-policy sampled (never negative); ``kl_coeff`` (default 0) is this loss's own and differs from
-``kl_coef`` (below), the KL to the initial weights, which may be set on top. The keys ``tis_cap`` and
+however stale the sample. A trainer hands it one datum at a time (``SEQUENCE_LOSSES``), and
+reports (``loss_counts``) ``is_tokens:sum`` (action tokens), ``is_truncated:sum`` (action tokens whose
+``r`` exceeded ``C``, masked datums included, as the corrections below count), ``is_masked:sum`` (action
+tokens of masked datums) and ``is_masked_sequences:sum`` (masked datums). ``r - 1 - d`` is the k3
+estimator of KL(behaviour || policy) on tokens the behaviour policy sampled (never negative);
+``kl_coeff`` (default 0) is this loss's own and differs from ``kl_coef`` (below), the KL to the initial
+weights, which may be set on top. The keys ``tis_cap`` and
 ``geo_mask_*`` mean here what the off-policy corrections below mean, applied to ``r`` itself (the
 corrections, which need ``old_logprobs``, are not taken).
 
@@ -134,8 +138,9 @@ d``), ``mismatch_tokens:sum``, and ``mismatch_ratio:min`` / ``:max`` of
 update of a batch they measure sampler-vs-trainer mismatch; after it, also
 the learning.
 
-``validate_data`` runs on the loop thread before anything is queued and
-raises ``InvalidRequest`` naming the datum and field.
+``validate_data`` runs before anything is queued (the Tinker server runs it
+in a worker thread for a large call) and raises ``InvalidRequest`` naming
+the datum and field; it reads only its arguments.
 """
 
 from __future__ import annotations
@@ -172,6 +177,7 @@ __all__ = [
     "concat_tokens",
     "correction_weights",
     "elementwise",
+    "loss_counts",
     "loss_settings",
     "mismatch_metrics",
     "mismatch_sums",
@@ -454,20 +460,45 @@ def _gspo(logp: np.ndarray, sampled: np.ndarray, adv: np.ndarray, in_ratio: np.n
     return loss, np.where(takes_unclipped, -s * adv, 0.0)
 
 
+def _stable_kept(d: np.ndarray, action: np.ndarray, stable: StableSettings) -> bool:
+    """Whether stable_reinforce's geometric mask keeps a datum with action tokens (``d = logp - b``)."""
+    # Compared in log space: the mean of a far-off datum may overflow exp().
+    return math.log(stable.geo_mask_low) <= float(d[action].mean()) <= math.log(stable.geo_mask_high)
+
+
+def _stable_ratio(d: np.ndarray) -> np.ndarray:
+    """``r = exp(d)``: exponents over 700 overflow float64; such a token is far over the cap anyway,
+    and its KL term's gradient is what the caller asked for (kl_coeff 0 leaves it out)."""
+    return np.exp(np.minimum(d, 700.0))
+
+
+def loss_counts(loss_fn: str, logp: np.ndarray, inputs: dict[str, np.ndarray],
+                thresholds: tuple[float, ...]) -> dict[str, float]:
+    """One datum's counts of what ``stable_reinforce`` truncated and masked (module docstring:
+    ``is_tokens``, ``is_truncated``, ``is_masked``, ``is_masked_sequences``); empty for other losses."""
+    if loss_fn != "stable_reinforce":
+        return {}
+    stable = as_settings(thresholds).stable or StableSettings()
+    action = _action_tokens(inputs, logp.shape[0])
+    tokens = int(action.sum())
+    if not tokens:
+        return {"is_tokens": 0.0, "is_truncated": 0.0, "is_masked": 0.0, "is_masked_sequences": 0.0}
+    d = logp.astype(np.float64) - inputs["logprobs"].astype(np.float64)
+    masked = not _stable_kept(d, action, stable)
+    truncated = int((action & (_stable_ratio(d) > stable.tis_cap)).sum())
+    return {"is_tokens": float(tokens), "is_truncated": float(truncated), "is_masked": float(tokens * masked),
+            "is_masked_sequences": float(masked)}
+
+
 def _stable_reinforce(logp: np.ndarray, behaviour: np.ndarray, adv: np.ndarray, action: np.ndarray,
                       stable: StableSettings) -> tuple[np.ndarray, np.ndarray]:
     """stable_reinforce over one datum (module docstring): ``-min(r, C) * A + kl_coeff * (r - 1 - d)``
     on action tokens, all zero when the datum's geometric-mean ratio is outside the mask range."""
     d = logp - behaviour
     zero = np.zeros_like(logp)
-    if not action.any():
+    if not action.any() or not _stable_kept(d, action, stable):
         return zero, zero
-    # Compared in log space: the mean of a far-off datum may overflow exp().
-    if not math.log(stable.geo_mask_low) <= float(d[action].mean()) <= math.log(stable.geo_mask_high):
-        return zero, zero
-    # Exponents over 700 overflow float64; such a token is far over the cap anyway, and its KL
-    # term's gradient is what the caller asked for (kl_coeff 0 leaves it out).
-    r = np.exp(np.minimum(d, 700.0))
+    r = _stable_ratio(d)
     w = np.minimum(r, stable.tis_cap)
     loss = np.where(action, -w * adv + stable.kl_coeff * (r - 1.0 - d), 0.0)
     return loss, np.where(action, -w * adv + stable.kl_coeff * (r - 1.0), 0.0)

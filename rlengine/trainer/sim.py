@@ -32,6 +32,7 @@ from rlengine.trainer.losses import (
     as_settings,
     correction_weights,
     elementwise,
+    loss_counts,
     mismatch_metrics,
     mismatch_sums,
     reference_kl,
@@ -85,6 +86,7 @@ class SimTrainer:
                                      "the sim trainer computes raw logprobs only (no sampling transform)")
             logp = logp_all[targets]
             loss, dlogp = elementwise(loss_fn, logp, inputs, settings)
+            corrected.update(loss_counts(loss_fn, logp, inputs, settings))
             if (sums := mismatch_sums(logp, inputs)):
                 mismatch.append(sums)
             weights, counts = correction_weights(inputs, settings)

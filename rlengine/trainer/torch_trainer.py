@@ -80,6 +80,7 @@ from rlengine.trainer.losses import (
     concat_tokens,
     correction_weights,
     elementwise,
+    loss_counts,
     mismatch_metrics,
     mismatch_sums,
     reference_kl,
@@ -313,6 +314,7 @@ class TorchTrainer:
                 inputs = {key: concat_inputs(datums, key) for key in datums[0].loss_fn_inputs}
                 lp = logp_np[start:end]
                 loss, dlogp = elementwise(loss_fn, lp, inputs, settings)
+                corrected.update(loss_counts(loss_fn, lp, inputs, settings))
                 if (sums := mismatch_sums(lp, inputs)):
                     mismatch.append(sums)
                 if settings.corrections:  # without, every weight is 1: nothing to multiply

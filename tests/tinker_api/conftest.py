@@ -1,5 +1,6 @@
-"""Fixtures the Tinker API tests share: one torch engine and one checkpoint directory per module, and
-the tinker-cookbook 0.6.1 install the version matrix runs beside the venv's 0.5.8.
+"""Fixtures the Tinker API tests share: one torch engine, one checkpoint directory and one served Tinker
+server (with an SDK client) per module, and the tinker-cookbook 0.6.1 install the version matrix runs
+beside the venv's 0.5.8.
 
 The project's cookbook tests run against both versions: 0.5.8 is installed in the venv (the RL
 tests import it in-process), 0.6.1 in its own directory (``COOKBOOK_061_DIR``, default
@@ -36,6 +37,22 @@ def engine(engine_config):
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tinker-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def served(engine, ckpt_dir):
+    """The module's engine with a Tinker server on its loop (real sockets), and an official SDK client of
+    it: ``(engine, server, client)``."""
+    tinker = pytest.importorskip("tinker")
+    from rlengine.tinker_api import TinkerServerConfig, start
+
+    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=8))
+    client = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    try:
+        yield engine, server, client
+    finally:
+        client.close("success").result(120.0)
+        server.close()
 
 
 def _missing(why: str) -> None:

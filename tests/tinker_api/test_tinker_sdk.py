@@ -70,22 +70,6 @@ PROMPT = _tokens(99, 6)
 LP_PROMPT = _tokens(98, 10)
 
 
-@pytest.fixture(scope="module")
-def served(engine_config, tmp_path_factory):
-    """An engine with a Tinker server on its loop, and an SDK client of it."""
-    from rlengine.tinker_api import TinkerServerConfig, start
-
-    with rle.Engine(engine_config("torch")) as engine:
-        server = start(engine, TinkerServerConfig(checkpoint_dir=str(tmp_path_factory.mktemp("tinker-ckpt")),
-                                                  max_models=8))
-        client = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
-        try:
-            yield engine, server, client
-        finally:
-            client.close("success").result(WAIT)
-            server.close()
-
-
 def _outputs(result) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in result.loss_fn_outputs]
 

@@ -177,19 +177,6 @@ def test_both_wires_decode_spans():
 
 
 @pytest.fixture(scope="module")
-def served(engine, ckpt_dir):
-    from rlengine.tinker_api import TinkerServerConfig, start
-
-    server = start(engine, TinkerServerConfig(checkpoint_dir=ckpt_dir, max_models=6))
-    client = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
-    try:
-        yield engine, server, client
-    finally:
-        client.close("success").result(WAIT)
-        server.close()
-
-
-@pytest.fixture(scope="module")
 def trainer(served):
     return served[2].create_lora_training_client(base_model="tiny", rank=4, seed=2).result(WAIT)
 
