@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="run the control-plane benchmarks and print a table")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_timeline = sub.add_parser("timeline", help="where each step's time went, and the slowest requests, from a "
-                                                 "run's timeline.json (rlengine train ... timeline=true)")
+                                                 "run's timeline.json (and a resumed run's timeline-<k>.json; "
+                                                 "rlengine train ... timeline=true)")
     p_timeline.add_argument("path", metavar="RUN_DIR", help="a run directory, or a timeline JSON file")
     p_timeline.add_argument("--top", type=int, default=10, metavar="N", help="how many slowest requests to list")
     p_timeline.add_argument("--json", action="store_true",
@@ -214,10 +215,10 @@ def _dispatch(args: argparse.Namespace, train_cli: Any, serve_cli: Any) -> int:
 
 
 def timeline(path: str, top: int, as_json: bool) -> int:
-    """``rlengine timeline``: a trace's report (``rlengine.timeline.report``); 2 for a path that
+    """``rlengine timeline``: a trace's report (``rlengine.timeline.files.report``); 2 for a path that
     holds none, or a bad ``--top``."""
-    from rlengine import timeline as trace_events
     from rlengine.errors import ConfigurationError
+    from rlengine.timeline import files as trace_events
 
     try:
         if top < 0:

@@ -1,6 +1,6 @@
 """The timeline (``rlengine.timeline``): what a short run records, the trace-event format Perfetto
 opens, the step breakdown against the metrics, the size cap, off records nothing, the
-``rlengine timeline`` report and the OpenTelemetry spans.
+``rlengine timeline`` report, a resumed run's segments and the OpenTelemetry spans.
 
 The runs are real: ``rlengine.rl.run.train`` on the sim recipe of ``tests/rl_sim.py`` (engine,
 sampler loop, gate, trainer and environments all running), and ``rlengine timeline`` as a
@@ -27,7 +27,9 @@ from rlengine.core.scheduler import Scheduler
 from rlengine.errors import ConfigurationError
 from rlengine.rl.metrics import read_jsonl
 from rlengine.rl.run import train
-from rlengine.timeline import PRIORITY, TIMELINE_FILE, Timeline, breakdown, load
+from rlengine.timeline import PRIORITY, TIMELINE_FILE, Timeline, breakdown
+from rlengine.timeline.files import load, merge, new_segment, segment_path
+from rlengine.timeline.files import steps as step_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = (*PRIORITY, "idle")
@@ -243,3 +245,89 @@ def test_a_capped_run_keeps_its_steps_and_training_calls_and_samples_the_rest(tm
     assert [s["args"]["step"] for s in steps] == [1, 2, 3]
     names = [e["name"] for e in events]
     assert names.count("optim_step") == 3 and names.count("seal") == names.count("reopen") >= 3
+
+
+class Crashed(Exception):
+    """Ends a run as a crash would, one step after its checkpoint."""
+
+
+@pytest.mark.model_plane
+def test_a_resumed_run_keeps_each_segments_steps_and_shows_each_step_once(tmp_path, model_cache, capsys):
+    """The copy recipe on the torch backend crashes after step 3 (checkpoint at 2) and is resumed to
+    step 4: the first segment's file stays as it was, the second gets its own, and the run
+    directory reads as steps 1-4, step 3 from the resumed segment, as metrics.jsonl keeps it
+    (typically 7 s, 14 s under load)."""
+    settings = {"steps": "4", "checkpoint_every": "2", "eval_every": "0", "groups_per_batch": "2",
+                "backend": "torch", "cache_dir": model_cache, "timeline": "true"}
+
+    def crash(record: dict[str, Any]) -> None:
+        if record["step"] == 3:
+            raise Crashed
+
+    first = train("copy", settings, run_dir=str(tmp_path), on_step=crash)
+    assert isinstance(first.error, Crashed) and first.checkpoint_step == 2, first.error
+    written = (tmp_path / TIMELINE_FILE).read_bytes()
+    assert [s["step"] for s in step_rows(json.loads(written))] == [1, 2, 3]
+    resumed = train(None, {}, run_dir=str(tmp_path), resume=True)
+    assert resumed.error is None and resumed.resumed_from == 2, resumed.error
+
+    assert (tmp_path / TIMELINE_FILE).read_bytes() == written  # the first segment's file, intact
+    second = load(segment_path(str(tmp_path), 2))
+    check_format(second)  # each file a trace of its own
+    assert [s["step"] for s in step_rows(second)] == [3, 4]
+    assert (second["otherData"]["segment"], second["otherData"]["resumed_from"]) == (2, 2)
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]  # written through a temporary file
+
+    merged = load(str(tmp_path))
+    check_format(merged)
+    rows = step_rows(merged)
+    metrics = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["segment"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for row, line in zip(rows, metrics):
+        assert row["wall_s"] == pytest.approx(line["step_time_s"], rel=0.02), (row, line)
+    # The second segment runs after the first on the merged trace's clock, as its own process.
+    ends = {pid: max(e["ts"] for e in merged["traceEvents"] if e["pid"] == pid and "ts" in e) for pid in (1, 2)}
+    assert min(e["ts"] for e in merged["traceEvents"] if e["pid"] == 2 and "ts" in e) > 0 and ends[2] > ends[1]
+
+    from rlengine.cli import main
+
+    assert main(["timeline", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "wall"])
+    assert lines[head].split()[-1] == "segment"
+    table = [line.split() for line in lines[head + 1:head + 5]]
+    assert [(row[0], row[-1]) for row in table] == [("1", "1"), ("2", "1"), ("3", "2"), ("4", "2")]
+    assert lines[head + 5].split()[0] == "total"
+    assert any("timeline-2.json" in line and "resumed from step 2" in line for line in lines), lines
+
+
+def _segment(step_numbers: list[int], segment: int, resumed_from: int | None) -> dict[str, Any]:
+    """A segment's trace holding steps ``step_numbers``, one second each."""
+    timeline = Timeline()
+    timeline.start_steps()
+    for step in step_numbers:
+        timeline.step(step, timeline.origin + step, timeline.origin + step + 1.0)
+    return timeline.document({"segment": segment, "resumed_from": resumed_from})
+
+
+def test_merged_segments_keep_the_steps_metrics_keeps_and_a_fresh_run_drops_stale_segments(tmp_path):
+    # 1 ran steps 1-5 (checkpoint at 2); 2 resumed from 2 and crashed after 3 unsaved; 3 resumed from 2
+    # again and ran 3-4. metrics.jsonl holds 1-2 of the first and 3-4 of the third: so does the merge.
+    documents = [_segment([1, 2, 3, 4, 5], 1, None), _segment([3], 2, 2), _segment([3, 4], 3, 2)]
+    merged = merge(documents, [(1, "timeline.json"), (2, "timeline-2.json"), (3, "timeline-3.json")])
+    assert [(r["step"], r["segment"]) for r in step_rows(merged)] == [(1, 1), (2, 1), (3, 3), (4, 3)]
+    # A resume without a checkpoint starts over: nothing of the earlier segments is shown.
+    over = merge([_segment([1, 2], 1, None), _segment([1], 2, -1)], [(1, "timeline.json"), (2, "timeline-2.json")])
+    assert [(r["step"], r["segment"]) for r in step_rows(over)] == [(1, 2)]
+    # Files without segment notes (an older rlengine): a step several hold is the later one's.
+    plain = [_segment([1, 2], 1, None), _segment([2, 3], 2, None)]
+    for document in plain:
+        del document["otherData"]["resumed_from"]
+    assert [r["segment"] for r in step_rows(merge(plain, [(1, "a.json"), (2, "b.json")]))] == [1, 2, 2]
+
+    for name in ("timeline.json", "timeline-2.json", "timeline-3.json", "timeline-x.json"):
+        (tmp_path / name).write_text("{}")
+    assert new_segment(str(tmp_path), 2) == 4  # a resume: the next file
+    assert new_segment(str(tmp_path), None) == 1  # a fresh run: the later segments left here are not its
+    assert sorted(os.listdir(tmp_path)) == ["timeline-x.json", "timeline.json"]

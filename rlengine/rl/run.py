@@ -68,7 +68,8 @@ from rlengine.rl.plot import write_reward_png
 from rlengine.rl.recipes import Recipe, load_recipe
 from rlengine.rl.sandbox_pool import running_snapshots
 from rlengine.signals import StartUpInterrupted, StopSignals
-from rlengine.timeline import TIMELINE_FILE, Timeline, activate
+from rlengine.timeline import Timeline, activate
+from rlengine.timeline.files import new_segment, segment_path
 
 __all__ = ["RunOutcome", "build_config", "train"]
 
@@ -259,7 +260,8 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
     # From start-up on: a SIGUSR1 then still shows every thread's stack (docs/debugging.md).
     hangs = HangWatch(run_dir, prog="rlengine train", timeout_s=config.hang_timeout_s)
     hangs.add_source("sandboxes", running_snapshots)
-    # ``timeline=true``: written to timeline.json when the run ends, however it ends.
+    # ``timeline=true``: written when the run ends, however it ends: timeline.json, and a resumed
+    # run's to the next timeline-<k>.json, so that each segment's steps stay (rlengine.timeline).
     timeline = Timeline(config.timeline_max_events, otel=config.timeline_otel) if config.timeline else None
     if timeline is not None:
         hangs.add_source("timeline", timeline.recent)
@@ -307,7 +309,10 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
     finally:
         log.close()
         if timeline is not None:
-            timeline.write(os.path.join(run_dir, TIMELINE_FILE))
+            resumed_from = (checkpoint[1].step if checkpoint else -1) if resume else None
+            segment = new_segment(run_dir, resumed_from)
+            replace_file(segment_path(run_dir, segment),
+                         timeline.to_json({"segment": segment, "resumed_from": resumed_from}))
     try:
         newest = checkpointer.latest()
     except CheckpointError as exc:

@@ -30,12 +30,20 @@ splits them, exclusively, over what ran: weight install, then training, then sam
 jobs), then waiting on environments, in that priority where they overlap; what none covers is
 idle. The parts sum to the step's time. They are computed from the intervals of the step's own
 work (kept apart from the sampled details, and dropped once a step has used them), so thinning
-never changes them. ``rlengine timeline RUN_DIR`` prints them (``report``).
+never changes them. ``rlengine timeline RUN_DIR`` prints them (``files.report``).
 
 **Cost.** Records are plain tuples appended to lists on the loop thread (where every producer
 already runs), with no lock; rendering to JSON happens only when the file is written or the
 endpoint read. A record from another thread is safe (appends are atomic under the GIL); one
 racing a thinning may be lost, never corrupt anything.
+
+**A resumed run.** Each segment of a run (the first, then each resume) writes its own file, a
+trace of its own: ``timeline.json``, then ``timeline-2.json``, ``timeline-3.json``... (``files.segment_path``),
+each noting in ``otherData`` its ``segment`` and the checkpoint step it ``resumed_from``. ``files.load`` of a
+run directory merges them (``files.merge``): each segment a process of the trace, on the first one's
+clock; a step recorded by several segments (re-run after a resume) is shown once, from the later
+segment, as ``metrics.jsonl`` keeps it: a resume cuts the earlier segments' steps back to its
+checkpoint, and what it runs after that replaces them.
 
 **OpenTelemetry.** With ``otel`` set (a tracer, or True for the global tracer provider's) every
 event kept is also sent as a span with its own start and end; ``opentelemetry-api`` is imported
@@ -58,10 +66,10 @@ import msgspec
 from rlengine.errors import ConfigurationError
 
 __all__ = ["DEFAULT_MAX_EVENTS", "PRIORITY", "TIMELINE_FILE", "Timeline", "activate", "breakdown", "category",
-           "current", "load", "report", "requests", "steps"]
+           "current"]
 
 TIMELINE_FILE = "timeline.json"
-"""Its name in a run directory."""
+"""Its name in a run directory (the first segment's; a resumed run's follow: ``segment_path``)."""
 
 DEFAULT_MAX_EVENTS = 500_000
 """The default cap on a timeline's events (about 60 MB of JSON)."""
@@ -294,16 +302,17 @@ class Timeline:
         timed.sort(key=lambda t: t[:3])
         return meta + [t[3] for t in timed]
 
-    def document(self) -> dict[str, Any]:
-        """The JSON object a trace viewer opens (``traceEvents`` and ``otherData``)."""
+    def document(self, other: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON object a trace viewer opens (``traceEvents`` and ``otherData``, with ``other`` added
+        to it: a run's ``segment`` and ``resumed_from``)."""
         return {"traceEvents": self.events(), "displayTimeUnit": "ms",
                 "otherData": {"producer": "rlengine", "origin_unix_s": self._origin_unix,
                               "max_events": self.max_events, "stride": self._stride,
                               "details_seen": {"requests": self._n_requests, "jobs": self._n_jobs,
-                                               "environment": self._n_environment}}}
+                                               "environment": self._n_environment}, **(other or {})}}
 
-    def to_json(self) -> bytes:
-        return _encode(self.document())
+    def to_json(self, other: dict[str, Any] | None = None) -> bytes:
+        return _encode(self.document(other))
 
     def write(self, path: str) -> str:
         """Write the trace to ``path`` (through a temporary file: a reader never sees half of it)."""
@@ -352,22 +361,6 @@ def breakdown(work: list[tuple[str, float, float]], start: float, end: float) ->
         active[r] += delta
     out["idle"] = max(0.0, (end - start) - covered)
     return out
-
-
-def load(path: str) -> dict[str, Any]:
-    """A trace file written by ``Timeline.write`` (a run directory: its ``timeline.json``)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, TIMELINE_FILE)
-    try:
-        with open(path, "rb") as f:
-            document = msgspec.json.decode(f.read())
-    except FileNotFoundError:
-        raise ConfigurationError(f"timeline={path!r}: no such file (run with timeline=true)") from None
-    except msgspec.DecodeError as exc:
-        raise ConfigurationError(f"timeline={path!r}: not trace JSON ({exc})") from None
-    if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
-        raise ConfigurationError(f"timeline={path!r}: holds no traceEvents list")
-    return document
 
 
 def _us(seconds: float) -> float:
@@ -433,63 +426,3 @@ def _tracer(otel: Any) -> Any:
 
 def _otel_value(value: Any) -> bool:
     return isinstance(value, (str, bool, int, float))
-
-
-# -- reading a trace: ``rlengine timeline RUN_DIR`` ---------------------------------------------
-
-_PARTS = (*PRIORITY, "idle")
-
-
-def steps(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """The steps of a trace (``step``'s events), in order: ``step``, ``wall_s`` and a ``<part>_s``
-    per part of ``PRIORITY`` and ``idle``."""
-    out = [e["args"] for e in document["traceEvents"] if e.get("cat") == "step" and e.get("ph") == "X"
-           and isinstance(e.get("args"), dict) and "wall_s" in e["args"]]
-    return sorted(out, key=lambda a: a["step"])
-
-
-def requests(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """The requests a trace kept (the arguments of each one's outer slice), slowest first."""
-    out = [e["args"] for e in document["traceEvents"] if e.get("cat") == "request" and e.get("ph") == "b"
-           and isinstance(e.get("args"), dict) and "duration_s" in e["args"]]
-    return sorted(out, key=lambda a: -a["duration_s"])
-
-
-def report(document: dict[str, Any], top: int = 10) -> str:
-    """Where each step's time went (seconds and shares of the step) and the ``top`` slowest requests."""
-    lines = []
-    other = document.get("otherData") or {}
-    stride = other.get("stride", 1)
-    kept = "all kept" if stride == 1 else f"1 in {stride} kept"
-    lines.append(f"{len(document['traceEvents'])} events (requests, backend jobs, environment turns: {kept})")
-    rows = steps(document)
-    if rows:
-        head = f"{'step':>6} {'wall s':>8}" + "".join(f" {p:>17}" for p in _PARTS)
-        lines += ["", "where each step's time went (seconds, share of the step):", head]
-        totals = dict.fromkeys(("wall_s", *(f"{p}_s" for p in _PARTS)), 0.0)
-        for row in rows:
-            lines.append(_step_line(str(row["step"]), row))
-            for key in totals:
-                totals[key] += float(row.get(key, 0.0))
-        lines.append(_step_line("total", totals))
-    else:
-        lines += ["", "no steps recorded (a server's timeline, or a run that ended before its first step)"]
-    slow = requests(document)
-    lines += ["", f"slowest requests ({min(top, len(slow))} of {len(slow)} kept):"]
-    if slow:
-        lines.append(f"{'request':<12} {'session':<20} {'prompt':>7} {'tokens':>7} {'samples':>7} "
-                     f"{'queued s':>9} {'total s':>9}  outcome")
-        for a in slow[:top]:
-            session = a.get("session_id") or "-"
-            lines.append(f"{a['request_id']:<12} {session[:20]:<20} {a['prompt_tokens']:>7} {a['tokens']:>7} "
-                         f"{a['samples']:>7} {a['queued_s']:>9.4f} {a['duration_s']:>9.4f}  {a['outcome']}")
-    return "\n".join(lines)
-
-
-def _step_line(label: str, row: dict[str, Any]) -> str:
-    wall = float(row.get("wall_s", 0.0))
-    cells = []
-    for part in _PARTS:
-        value = float(row.get(f"{part}_s", 0.0))
-        cells.append(f" {value:>9.3f} ({100 * value / wall if wall else 0:>3.0f}%)")
-    return f"{label:>6} {wall:>8.3f}" + "".join(cells)
