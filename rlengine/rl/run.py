@@ -46,6 +46,7 @@ from rlengine.backends import resolve_backend
 from rlengine.config import EngineConfig
 from rlengine.core.engine import Engine, new_event_loop
 from rlengine.core.hangs import HangWatch, task_stacks
+from rlengine.core.heap import frozen_heap
 from rlengine.errors import ConfigurationError
 from rlengine.rl.batch import GroupScorer
 from rlengine.rl.checkpoint import Checkpointer, rewind_jsonl
@@ -296,7 +297,9 @@ def train(recipe: str | None, overrides: dict[str, Any], *, run_dir: str, resume
                                   scorer=attached if isinstance(attached, GroupScorer) else None)
                 hangs.watch("run", run)
                 try:
-                    await run.run()
+                    # Start-up's objects out of the collector's full passes (rlengine.core.heap).
+                    with frozen_heap():
+                        await run.run()
                 finally:
                     outcome.left_behind, outcome.drained = run.left_behind, run.drained
 

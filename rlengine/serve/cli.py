@@ -232,6 +232,7 @@ async def _start(engines: list[Any], engine_cfg: Any, serve_cfg: Any, replicas: 
 async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any, signals: StopSignals,
                  hangs: Any, timeline: Any = None) -> int:
     from rlengine.core.hangs import task_stacks
+    from rlengine.core.heap import frozen_heap
 
     stop = asyncio.Event()
     engines: list[Any] = []
@@ -253,7 +254,9 @@ async def _serve(engine_cfg: Any, serve_cfg: Any, replicas: int, tinker_cfg: Any
                     hangs.watch("engine" if replicas == 1 else f"engine_{i}", engine)
                 # A dead engine ends the process (its supervisor sees a non-zero exit), after
                 # everything pending has settled: the engine failed its requests as it died.
-                died = await until_stopped(stop, engines, "rlengine serve")
+                # Start-up's objects out of the collector's full passes (rlengine.core.heap).
+                with frozen_heap():
+                    died = await until_stopped(stop, engines, "rlengine serve")
             print("stopping", flush=True)
         finally:
             if tinker is not None:

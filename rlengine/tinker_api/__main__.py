@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace, signals: StopSignals) -> int:
     from rlengine.config import EngineConfig
     from rlengine.core.engine import Engine
+    from rlengine.core.heap import frozen_heap
     from rlengine.tinker_api.config import TinkerServerConfig
     from rlengine.tinker_api.server import start_async
 
@@ -88,7 +89,8 @@ async def _serve(args: argparse.Namespace, signals: StopSignals) -> int:
                 if server.key_file is not None:
                     print(f"tinker key: {server.api_key}\ntinker key file: {server.key_file}", flush=True)
                 print(f"ready: model {engine.model_name!r} ({engine.backend.name} backend)", flush=True)
-                died = await until_stopped(stop, [engine], _PROG)
+                with frozen_heap():  # start-up's objects out of the collector's full passes
+                    died = await until_stopped(stop, [engine], _PROG)
                 print("stopping", flush=True)
             finally:
                 await server.aclose()
