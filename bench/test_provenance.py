@@ -1,10 +1,12 @@
 """The loop-thread cost of checking provenance spans (pytest-benchmark); figures in bench/RESULTS.md.
 
 A tinker-cookbook 0.6.1 step sends every datum with provenance spans, and the
-Tinker server checks them against its sampled-sequence records on the loop
-thread before queueing the call (``rlengine.tinker_api.stability``): for
-``stable_reinforce`` it also writes in the recorded behaviour logprobs. The
-baseline is what the loop already spends on the same batch, the loss's
+Tinker server checks them against its sampled-sequence records before
+queueing the call (``rlengine.tinker_api.stability``): for
+``stable_reinforce`` it also writes in the recorded behaviour logprobs. This
+measures that work itself, wherever it runs (a call over 4 KiB now runs it on
+the server's worker threads: ``bench/test_tinker_offloop.py`` measures what
+is left on the loop). The baseline is what the same batch costs the loss's
 ``validate_data``. One cookbook ``rl_loop`` batch: 128 prompts x 16 samples,
 a 100-token prompt and 200 sampled tokens each, four spans a datum. Rounds
 alternate, medians taken (a noisy shared 2-vCPU VM).

@@ -219,8 +219,9 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     such quiet spell seen so far); 0: only on SIGUSR1 (``docs/debugging.md``)."""
     timeline: bool = False
     """Record every request, backend job, training call, gate phase, step and environment turn, and
-    write them to ``timeline.json`` in the run directory (Chrome trace-event JSON: Perfetto's UI opens
-    it; ``rlengine timeline RUN_DIR`` prints where each step's time went; ``docs/debugging.md``)."""
+    write them to ``timeline.json`` in the run directory, and a resumed run's to ``timeline-<k>.json``
+    beside it (Chrome trace-event JSON: Perfetto's UI opens each; ``rlengine timeline RUN_DIR`` prints
+    where each step's time went, every segment's; ``docs/debugging.md``)."""
     timeline_max_events: PositiveInt = DEFAULT_MAX_EVENTS
     """The most events ``timeline.json`` holds: beyond it requests, backend jobs and environment turns
     are sampled evenly (steps, training calls and gate phases are all kept)."""
